@@ -1,0 +1,94 @@
+"""Per-rank entry point: ``python -m slipstream.cli._rank_entry [opts] TARGET ARGS...``.
+
+torchrun starts every worker with the same argv and sets ``LOCAL_RANK`` in the environment,
+but DeepSpeed scripts parse ``--local_rank`` from argv. This module runs inside each worker,
+reads ``LOCAL_RANK`` and runs the user script with ``--local_rank=N`` placed first in its
+argv (where DeepSpeed puts it), keeping ``__name__ == "__main__"`` semantics.
+
+Options (before TARGET): ``--module`` (TARGET is a module, run like ``python -m``) and
+``--no_local_rank`` (do not add ``--local_rank``).
+
+An uncaught exception is also written to ``TORCHELASTIC_ERROR_FILE`` in torchelastic's
+format, so the launcher can point at the failing rank's traceback. This module imports
+nothing heavy: the user script decides what to import first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+_OPTIONS = ("--module", "--no_local_rank")
+
+
+def _split_argv(argv: list[str]) -> tuple[set[str], str, list[str]]:
+    """Split ``argv`` into (entry options, target, target args)."""
+    opts: set[str] = set()
+    i = 0
+    while i < len(argv) and argv[i] in _OPTIONS:
+        opts.add(argv[i])
+        i += 1
+    if i >= len(argv):
+        raise SystemExit("slipstream.cli._rank_entry: missing the script (or module) to run")
+    return opts, argv[i], argv[i + 1 :]
+
+
+def _set_deepspeed_env() -> None:
+    """Add the variables DeepSpeed's launcher sets that torchrun names differently."""
+    local_size = os.environ.get("LOCAL_WORLD_SIZE")
+    if local_size is not None:
+        os.environ.setdefault("LOCAL_SIZE", local_size)
+    if "GROUP_RANK" in os.environ:
+        os.environ.setdefault("CROSS_RANK", os.environ["GROUP_RANK"])
+    world, local = os.environ.get("WORLD_SIZE"), local_size
+    if world and local and int(local) > 0:
+        os.environ.setdefault("CROSS_SIZE", str(int(world) // int(local)))
+
+
+def _record_exception(exc: BaseException) -> None:
+    """Write ``exc`` to the torchelastic error file (same JSON as torch's ErrorHandler)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass  # reporting is best effort; the traceback still reaches stderr
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the target named in ``argv`` (default ``sys.argv[1:]``) as this rank's ``__main__``."""
+    opts, target, args = _split_argv(sys.argv[1:] if argv is None else argv)
+    if "--no_local_rank" not in opts:
+        args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
+    _set_deepspeed_env()
+    try:
+        if "--module" in opts:
+            sys.argv = [target, *args]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            # `python script.py` puts the script's directory first on sys.path, not the cwd.
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except Exception as exc:
+        _record_exception(exc)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""``slipstream`` command-line entry point: subcommand dispatch.
+
+Each subcommand module exposes ``add_parser(subparsers)``, which registers its parser with a
+``handler(args) -> int`` default; :func:`main` returns that handler's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+from slipstream.cli import launcher, report
+from slipstream.version import __version__
+
+__all__ = ["build_parser", "main"]
+
+_DEMO_MODULE = "slipstream.cli.demo"
+
+
+def _add_demo_parser(subparsers: Any, load: bool) -> None:
+    """Register ``demo``. Its module is imported only when ``demo`` is the command (``load``),
+    so other commands never pay for it; if it is absent, ``demo`` explains that and exits 2."""
+    if load:
+        try:
+            demo = importlib.import_module(_DEMO_MODULE)
+        except ModuleNotFoundError as err:
+            if err.name != _DEMO_MODULE:
+                raise  # demo exists but one of its own imports is missing: show that
+        else:
+            demo.add_parser(subparsers)
+            return
+    p = subparsers.add_parser("demo", help="run a built-in demo (slipstream demo --help)")
+    p.add_argument("demo_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(handler=_demo_missing)
+
+
+def _demo_missing(args: argparse.Namespace) -> int:
+    print(
+        f"slipstream demo: error: this slipstream install has no demo module ({_DEMO_MODULE}); "
+        "reinstall slipstream or use `slipstream run` with your own script",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``slipstream`` parser with every subcommand registered (``command``: the one that
+    will run, so that only its module is imported when that is costly)."""
+    parser = argparse.ArgumentParser(
+        prog="slipstream",
+        description="slipstream: large-model training on plain PyTorch (DeepSpeed-compatible).",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    launcher.add_parser(subparsers)
+    report.add_parser(subparsers)
+    _add_demo_parser(subparsers, load=command == "demo")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

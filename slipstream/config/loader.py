@@ -1,0 +1,393 @@
+"""DeepSpeed JSON/HJSON/dict/base64 -> ``SlipstreamConfig``: aliases, "auto", batch triple.
+
+This is the only place that reads raw config dicts. Parsing runs in four passes:
+1. load (file, base64 string or mapping; duplicate keys rejected),
+2. rename deprecated aliases with a warning and reject keys slipstream does not know,
+3. resolve ``"auto"`` values from the model, the optimizer and the world, or reject them,
+4. validate into typed models and resolve the batch triple for the data-parallel size.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import json
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slipstream.config._base import validate_model
+from slipstream.config._errors import ConfigError
+from slipstream.config.schema import NOT_YET_IMPLEMENTED, SlipstreamConfig
+
+__all__ = ["AutoContext", "load_config", "parse_config", "resolve_batch_sizes"]
+
+AUTO = "auto"
+
+# (old name, new name) at the top level and inside zero_optimization.
+_TOP_ALIASES = {"bfloat16": "bf16"}
+_ZERO_ALIASES = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
+
+
+@dataclass
+class AutoContext:
+    """What ``"auto"`` values are resolved from.
+
+    Attributes:
+        hidden_size: the model's hidden size (``model.config.hidden_size``), for bucket sizes.
+        model_dtype: dtype of the model's floating-point parameters, for ``fp16/bf16.enabled``.
+        optimizer_defaults: maps an optimizer type name to its default hyperparameters.
+        client_hparams: hyperparameters of a client optimizer's first param group, if any.
+    """
+
+    hidden_size: int | None = None
+    model_dtype: Any = None
+    optimizer_defaults: Callable[[str], dict[str, Any]] | None = None
+    client_hparams: dict[str, Any] = field(default_factory=dict)
+    resolved: dict[str, Any] = field(default_factory=dict)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"duplicate key '{key}' in config file: keep one of them")
+        out[key] = value
+    return out
+
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a config from a mapping, a JSON/HJSON file path, or a base64-encoded JSON string.
+
+    Raises:
+        ConfigError: unreadable file, duplicate keys, or a string that is neither a path
+            nor base64 JSON.
+    """
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    path = Path(config)
+    if path.is_file():
+        text = path.read_text()
+        try:
+            return json.loads(text, object_pairs_hook=_reject_duplicates)
+        except json.JSONDecodeError:
+            pass
+        import hjson
+
+        try:
+            return dict(hjson.loads(text, object_pairs_hook=_reject_duplicates))
+        except hjson.HjsonDecodeError as exc:
+            raise ConfigError(f"config file '{path}' is neither valid JSON nor HJSON: {exc}") from None
+    try:
+        decoded = base64.b64decode(str(config), validate=True).decode()
+        return json.loads(decoded, object_pairs_hook=_reject_duplicates)
+    except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError, ValueError):
+        raise ConfigError(
+            f"config '{config}' is not an existing file and not base64-encoded JSON: "
+            "pass a dict, a path to a JSON/HJSON file, or a SlipstreamConfig"
+        ) from None
+
+
+def _apply_aliases(raw: dict[str, Any]) -> None:
+    """Rename deprecated DeepSpeed keys in place, warning once per key."""
+    for old, new in _TOP_ALIASES.items():
+        if old in raw:
+            _warn_alias(old, new)
+            raw.setdefault(new, raw.pop(old))
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, bool):
+        warnings.warn(
+            "'zero_optimization': true/false is deprecated; use {'stage': 1} or {'stage': 0}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        raw["zero_optimization"] = {"stage": 1 if zero else 0}
+        return
+    if not isinstance(zero, dict):
+        return
+    for old, new in _ZERO_ALIASES.items():
+        if old in zero:
+            _warn_alias(f"zero_optimization.{old}", f"zero_optimization.{new}")
+            zero.setdefault(new, zero.pop(old))
+    if "cpu_offload" in zero:
+        _warn_alias("zero_optimization.cpu_offload", "zero_optimization.offload_optimizer")
+        if zero.pop("cpu_offload"):
+            zero.setdefault("offload_optimizer", {"device": "cpu"})
+    if "cpu_offload_param" in zero:
+        _warn_alias("zero_optimization.cpu_offload_param", "zero_optimization.offload_param")
+        if zero.pop("cpu_offload_param"):
+            zero.setdefault("offload_param", {"device": "cpu"})
+    if "cpu_offload_use_pin_memory" in zero:
+        _warn_alias("zero_optimization.cpu_offload_use_pin_memory", "offload_*.pin_memory")
+        pin = zero.pop("cpu_offload_use_pin_memory")
+        for key in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(key), dict):
+                zero[key].setdefault("pin_memory", pin)
+
+
+def _warn_alias(old: str, new: str) -> None:
+    warnings.warn(f"config key '{old}' is deprecated; use '{new}'", DeprecationWarning, stacklevel=4)
+
+
+def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
+    """Drop known-but-unimplemented blocks that are disabled; reject enabled ones."""
+    for key, reason in NOT_YET_IMPLEMENTED.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        disabled = (
+            value is None
+            or value is False
+            or (isinstance(value, dict) and not value.get("enabled", bool(value)))
+            or (key in ("sequence_parallel_size", "data_parallel_size") and value in (1, AUTO))
+        )
+        if not disabled:
+            raise ConfigError(
+                f"config key '{key}' = {value!r} cannot be honoured: {reason}. "
+                f"Remove '{key}' (or set its 'enabled' to false)"
+            )
+        del raw[key]
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.lower() == AUTO
+
+
+def _resolve_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
+    """Replace every ``"auto"`` in ``raw`` or raise naming the key."""
+    _resolve_precision_auto(raw, ctx)
+    _resolve_optimizer_auto(raw, ctx)
+    _resolve_scheduler_auto(raw, ctx)
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, dict):
+        hidden_rules = {
+            "reduce_bucket_size": 1.0,
+            "allgather_bucket_size": 1.0,
+            "stage3_prefetch_bucket_size": 0.9,
+            "stage3_param_persistence_threshold": None,
+        }
+        for key, factor in hidden_rules.items():
+            if not _is_auto(zero.get(key)):
+                continue
+            if ctx.hidden_size is None:
+                raise ConfigError(
+                    f"cannot resolve 'zero_optimization.{key}' = \"auto\": the model has no "
+                    "config.hidden_size; set a number of elements instead"
+                )
+            h = ctx.hidden_size
+            zero[key] = 10 * h if factor is None else int(factor * h * h)
+            ctx.resolved[f"zero_optimization.{key}"] = zero[key]
+    _reject_remaining_auto(raw, "")
+
+
+def _resolve_precision_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
+    import torch
+
+    for key, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        block = raw.get(key)
+        if isinstance(block, dict) and _is_auto(block.get("enabled")):
+            if ctx.model_dtype is None:
+                raise ConfigError(f"cannot resolve '{key}.enabled' = \"auto\" without a model")
+            block["enabled"] = ctx.model_dtype == dtype
+            ctx.resolved[f"{key}.enabled"] = block["enabled"]
+
+
+def _resolve_optimizer_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
+    opt = raw.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("params"), dict):
+        return
+    params = opt["params"]
+    autos = [k for k, v in params.items() if _is_auto(v)]
+    if not autos:
+        return
+    defaults = ctx.optimizer_defaults(str(opt.get("type", ""))) if ctx.optimizer_defaults else {}
+    for key in autos:
+        if key in ctx.client_hparams:
+            params[key] = ctx.client_hparams[key]
+        elif key in defaults:
+            params[key] = defaults[key]
+        else:
+            raise ConfigError(
+                f"cannot resolve 'optimizer.params.{key}' = \"auto\": optimizer "
+                f"'{opt.get('type')}' has no default for it; set a value"
+            )
+        ctx.resolved[f"optimizer.params.{key}"] = params[key]
+
+
+def _resolve_scheduler_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
+    sched = raw.get("scheduler")
+    if not isinstance(sched, dict) or not isinstance(sched.get("params"), dict):
+        return
+    params = sched["params"]
+    opt = raw.get("optimizer")
+    opt_lr = ctx.client_hparams.get("lr")
+    if opt_lr is None and isinstance(opt, dict):
+        opt_lr = (opt.get("params") or {}).get("lr")
+    rules = {"warmup_max_lr": opt_lr, "warmup_min_lr": 0.0, "cycle_max_lr": opt_lr}
+    for key, value in params.items():
+        if _is_auto(value) and rules.get(key) is not None:
+            params[key] = rules[key]
+            ctx.resolved[f"scheduler.params.{key}"] = params[key]
+
+
+def _reject_remaining_auto(node: Any, where: str) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{where}.{key}" if where else key
+            if _is_auto(value) and key not in _BATCH_KEYS:
+                raise ConfigError(
+                    f"cannot resolve config key '{path}' = \"auto\": slipstream resolves 'auto' "
+                    "only for batch sizes, optimizer hyperparameters, scheduler lr bounds, "
+                    "fp16/bf16.enabled and ZeRO bucket sizes; set an explicit value"
+                )
+            _reject_remaining_auto(value, path)
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def resolve_batch_sizes(
+    train_batch_size: int | None,
+    micro_batch: int | None,
+    grad_accum: int | None,
+    dp_world_size: int,
+) -> tuple[int, int, int]:
+    """Resolve DeepSpeed's batch triple; any two determine the third.
+
+    Returns:
+        (train_batch_size, micro batch per rank, gradient accumulation steps).
+    Raises:
+        ConfigError: naming all three values, the data-parallel size and a fix.
+    """
+    tbs, mb, gas, dp = train_batch_size, micro_batch, grad_accum, dp_world_size
+    shown = (
+        f"train_batch_size={tbs}, train_micro_batch_size_per_gpu={mb}, "
+        f"gradient_accumulation_steps={gas}, data-parallel world size={dp}"
+    )
+    if tbs is None and mb is None:
+        raise ConfigError(
+            f"batch size is missing ({shown}): set train_micro_batch_size_per_gpu "
+            "(and optionally gradient_accumulation_steps) or train_batch_size"
+        )
+    if tbs is not None and mb is not None and gas is not None:
+        if tbs != mb * gas * dp:
+            raise ConfigError(
+                f"batch sizes do not multiply out: train_batch_size must equal "
+                f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, "
+                f"but {tbs} != {mb} * {gas} * {dp} ({shown}). Fix: set train_batch_size to "
+                f"{mb * gas * dp}, or drop one of the three keys and let slipstream infer it"
+            )
+        return tbs, mb, gas
+    if tbs is None:
+        assert mb is not None
+        gas = gas or 1
+        return mb * gas * dp, mb, gas
+    if mb is None:
+        gas = gas or 1
+        if tbs % (gas * dp):
+            raise ConfigError(
+                f"train_batch_size {tbs} is not divisible by gradient_accumulation_steps * "
+                f"world size = {gas} * {dp} ({shown}). Fix: use a train_batch_size that is a "
+                f"multiple of {gas * dp}"
+            )
+        return tbs, tbs // (gas * dp), gas
+    if tbs % (mb * dp):
+        raise ConfigError(
+            f"train_batch_size {tbs} is not divisible by train_micro_batch_size_per_gpu * "
+            f"world size = {mb} * {dp} ({shown}). Fix: use a train_batch_size that is a "
+            f"multiple of {mb * dp}"
+        )
+    return tbs, mb, tbs // (mb * dp)
+
+
+def _batch_value(raw: dict[str, Any], key: str) -> int | None:
+    value = raw.pop(key, None)
+    if value is None or _is_auto(value):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value or value < 1:
+        raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
+    return int(value)
+
+
+def parse_config(
+    config: SlipstreamConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    dp_world_size: int = 1,
+    auto: AutoContext | None = None,
+) -> SlipstreamConfig:
+    """Parse and validate a config, resolve ``"auto"`` and the batch triple.
+
+    Args:
+        config: a ``SlipstreamConfig``, a dict, a JSON/HJSON path, or a base64 JSON string.
+        dp_world_size: data-parallel world size used for the batch arithmetic.
+        auto: where ``"auto"`` values come from (model, optimizer); None rejects them.
+    Raises:
+        ConfigError: unknown key (with did-you-mean), bad value, unresolvable ``"auto"``,
+            inconsistent batch sizes, fp16 together with bf16.
+    """
+    if isinstance(config, SlipstreamConfig):
+        raw = config.model_dump(exclude_unset=True)
+    else:
+        raw = load_config(config)
+    ctx = auto or AutoContext()
+    _apply_aliases(raw)
+    _strip_not_yet_implemented(raw)
+    batch = {k: _batch_value(raw, k) for k in _BATCH_KEYS}
+    _resolve_auto(raw, ctx)
+    cfg: SlipstreamConfig = validate_model(SlipstreamConfig, raw, "")
+    tbs, mb, gas = resolve_batch_sizes(*batch.values(), dp_world_size=dp_world_size)
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = tbs, mb
+    cfg.gradient_accumulation_steps = gas
+    _check_consistency(cfg)
+    return cfg
+
+
+def _check_consistency(cfg: SlipstreamConfig) -> None:
+    """Cross-field rules and features that arrive with later issues."""
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError(
+            "fp16.enabled and bf16.enabled are both true: choose one precision "
+            "(bf16 needs no loss scaling and is preferred on hardware that supports it)"
+        )
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        raise ConfigError(
+            "zero_optimization.stage = 3 (parameter partitioning) is not implemented yet; it "
+            "arrives with issue 3. Use stage 2 (optimizer states and gradients partitioned)"
+        )
+    for key in ("offload_optimizer", "offload_param"):
+        off = getattr(zero, key)
+        if off is not None and off.enabled:
+            raise ConfigError(
+                f"zero_optimization.{key}.device = '{off.device}' is not implemented yet; "
+                "CPU/NVMe offload arrives with issue 3. Set device to 'none' or remove the block"
+            )
+    zpp = {
+        "zero_quantized_weights": zero.zero_quantized_weights,
+        "zero_quantized_nontrainable_weights": zero.zero_quantized_nontrainable_weights,
+        "zero_quantized_gradients": zero.zero_quantized_gradients,
+        "zero_hpz_partition_size": zero.zero_hpz_partition_size != 1,
+    }
+    for key, on in zpp.items():
+        if on:
+            raise ConfigError(
+                f"zero_optimization.{key} (ZeRO++) is not implemented yet; it arrives with "
+                "issue 5. Remove it"
+            )
+    if zero.mics_shard_size > 0:
+        raise ConfigError("zero_optimization.mics_shard_size (MiCS) is not implemented yet; remove it")
+    if cfg.sparse_gradients:
+        raise ConfigError("sparse_gradients = true is not supported: set it to false")
+    if cfg.fp16.fp16_master_weights_and_grads:
+        raise ConfigError("fp16.fp16_master_weights_and_grads is not implemented yet; remove it")
+    bf16 = cfg.bf16
+    if bf16.bf16_optimizer_states != bf16.bf16_master_weights_and_grads:
+        raise ConfigError(
+            f"bf16.bf16_master_weights_and_grads = {bf16.bf16_master_weights_and_grads} and "
+            f"bf16.bf16_optimizer_states = {bf16.bf16_optimizer_states}: slipstream's optimizers "
+            "keep their states in the master-weight dtype, so set both to the same value"
+        )

@@ -1,0 +1,151 @@
+"""The typed top-level training config (DeepSpeed JSON key names)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from slipstream.config._base import StrictModel
+from slipstream.config.precision import BF16Config, DataTypesConfig, FP16Config
+from slipstream.config.zero import ZeroConfig
+
+__all__ = [
+    "NOT_YET_IMPLEMENTED",
+    "CommsLoggerConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "SlipstreamConfig",
+]
+
+
+class OptimizerConfig(StrictModel):
+    """``optimizer`` block: a name (case-insensitive) and its constructor keyword arguments."""
+
+    type: str
+    """Adam, AdamW, SGD, Lamb, Lion, Adagrad, or any ``torch.optim`` class name."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...)."""
+
+
+class SchedulerConfig(StrictModel):
+    """``scheduler`` block: a name and its keyword arguments."""
+
+    type: str
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a ``torch.optim.lr_scheduler`` name."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the scheduler."""
+
+
+class CommsLoggerConfig(StrictModel):
+    """``comms_logger``: per-collective byte and call counters, printed by ``comm.log_summary()``."""
+
+    enabled: bool = False
+    """Print the communication summary every ``steps_per_print`` steps."""
+    verbose: bool = False
+    """Log every collective as it is issued."""
+    prof_all: bool = True
+    """Count every collective (otherwise only those in ``prof_ops``)."""
+    prof_ops: list[str] = Field(default_factory=list)
+    """Collective names to count when ``prof_all`` is false."""
+    debug: bool = False
+    """Include the call site label in verbose logs."""
+
+
+# DeepSpeed top-level keys that slipstream knows but does not implement yet, with where they
+# land. A block whose "enabled" is false (or a trivial value) is accepted; anything else is an
+# error naming the issue, never a silent drop.
+NOT_YET_IMPLEMENTED: dict[str, str] = {
+    "activation_checkpointing": "activation checkpointing is not implemented yet",
+    "checkpoint": "checkpoint options arrive with sharded checkpoints (issue 4)",
+    "tensor_parallel": "tensor parallelism arrives with issue 6",
+    "pipeline": "pipeline parallelism arrives with issue 6",
+    "sequence_parallel_size": "sequence parallelism arrives with issue 7",
+    "data_parallel_size": "explicit mesh sizes arrive with issues 6 and 7",
+    "hybrid_engine": "the RLHF hybrid engine is not implemented yet",
+    "flops_profiler": "the FLOPs profiler is not implemented yet",
+    "tensorboard": "monitors are not implemented yet",
+    "wandb": "monitors are not implemented yet",
+    "csv_monitor": "monitors are not implemented yet",
+    "comet": "monitors are not implemented yet",
+    "amp": "Apex AMP is not supported; use bf16 or fp16",
+    "torch_autocast": "torch_autocast is not implemented yet; use bf16 or fp16",
+    "compile": "DeepCompile options are not implemented yet",
+    "aio": "NVMe I/O arrives with offload (issue 3)",
+    "autotuning": "the autotuner is not implemented yet",
+    "elasticity": "elastic training is not implemented yet",
+    "compression_training": "compression training is not implemented yet",
+    "data_efficiency": "data efficiency is not implemented yet",
+    "curriculum_learning": "curriculum learning is not implemented yet",
+    "progressive_layer_drop": "progressive layer drop is not implemented yet",
+    "sparse_attention": "sparse attention is not implemented yet",
+    "eigenvalue": "eigenvalue computation is not implemented yet",
+    "quantize_training": "quantization-aware training is not implemented yet",
+    "timers": "timer options are not implemented yet; use wall_clock_breakdown",
+    "memory_breakdown": "memory_breakdown is not implemented yet",
+    "dump_state": "dump_state is not implemented yet",
+}
+
+
+class SlipstreamConfig(StrictModel):
+    """A whole training config. Build it with ``slipstream.config.parse_config``.
+
+    After parsing, the batch triple is resolved: all three sizes are set and
+    ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``.
+    """
+
+    train_batch_size: int | None = Field(None, ge=1)
+    """Global batch per optimizer step (micro batch x accumulation x data-parallel size)."""
+    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    """Samples per rank per forward/backward."""
+    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    """Micro-steps per optimizer step."""
+    steps_per_print: int | None = Field(None, ge=1)
+    """Log loss, lr and throughput every N optimizer steps (None: never)."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer built by ``initialize`` when no client optimizer is given."""
+    scheduler: SchedulerConfig | None = None
+    """LR scheduler built by ``initialize`` when no client scheduler is given."""
+    gradient_clipping: float = Field(0.0, ge=0.0)
+    """Clip the global gradient norm (over all ranks) to this value; 0 disables."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """fp16 mixed precision."""
+    bf16: BF16Config = Field(default_factory=BF16Config, alias="bfloat16")
+    """bf16 mixed precision (``bfloat16`` is the deprecated name)."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """dtype overrides."""
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO stage and bucket settings."""
+    zero_allow_untested_optimizer: bool = False
+    """Accepted for compatibility: every optimizer slipstream builds is tested with ZeRO."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """Accepted for compatibility (offload, issue 3)."""
+    prescale_gradients: bool = False
+    """Divide gradients by ``gradient_predivide_factor`` before reduction."""
+    gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    """Pre-division factor (the rest of 1/world is applied after reduction)."""
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """dtype of gradient reductions (None: the gradient accumulation dtype)."""
+    sparse_gradients: bool = False
+    """Sparse embedding gradients (not supported: must stay false)."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step and log them every ``steps_per_print`` steps."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Communication counters."""
+    seed: int | None = None
+    """Seed torch's RNG on every rank and the data sampler."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch of the dataloader ``initialize`` builds."""
+    managed_gradient_accumulation: bool = True
+    """The engine counts micro-steps; false makes every ``step()`` a boundary."""
+
+    @property
+    def batch(self) -> tuple[int, int, int]:
+        """(train_batch_size, micro batch, accumulation steps), resolved."""
+        assert self.train_batch_size and self.train_micro_batch_size_per_gpu
+        assert self.gradient_accumulation_steps
+        return (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        )

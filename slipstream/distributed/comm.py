@@ -1,0 +1,283 @@
+"""The one communication layer: every collective in slipstream goes through here.
+
+Each call is labelled with the mesh axis of its process group and its message bytes are
+counted per (axis, op), so ``log_summary()`` can say how much traffic each parallelism axis
+generated. Works with gloo (CPU) and NCCL (CUDA) alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream._logging import logger
+
+__all__ = [
+    "ReduceOp",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all_single",
+    "axis_name",
+    "barrier",
+    "broadcast",
+    "check_same_across_ranks",
+    "comm_counters",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "global_rank",
+    "init_distributed",
+    "is_initialized",
+    "log_summary",
+    "reduce_scatter_tensor",
+    "register_axis",
+]
+
+ReduceOp = dist.ReduceOp
+Group = dist.ProcessGroup | None
+
+
+@dataclass
+class OpStats:
+    """Calls and message bytes of one collective on one axis."""
+
+    calls: int = 0
+    bytes: int = 0
+
+
+class CommCounters:
+    """Per-(axis, op) counters; ``verbose`` logs every call."""
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+        self.enabled = True
+        self.verbose = False
+        self.prof_ops: set[str] | None = None
+
+    def record(self, op: str, group: Group, nbytes: int, label: str | None) -> None:
+        if not self.enabled or (self.prof_ops is not None and op not in self.prof_ops):
+            return
+        axis = axis_name(group)
+        entry = self.stats[(axis, op)]
+        entry.calls += 1
+        entry.bytes += nbytes
+        if self.verbose:
+            logger.info("comm %s axis=%s bytes=%d label=%s", op, axis, nbytes, label or "-")
+
+    def bytes_by_axis(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (axis, _), entry in self.stats.items():
+            out[axis] += entry.bytes
+        return dict(out)
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+
+comm_counters = CommCounters()
+_AXES: dict[int, str] = {}
+
+
+def register_axis(group: Group, name: str) -> None:
+    """Name the mesh axis a process group belongs to (done by the mesh builder)."""
+    _AXES[id(group)] = name
+
+
+def axis_name(group: Group) -> str:
+    """Axis label of ``group``: its registered name, or 'world' for the default group."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return _AXES.get(id(dist.GroupMember.WORLD), "world")
+    return _AXES.get(id(group), "unnamed")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _default_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("SLIPSTREAM_COMM_TIMEOUT", "1800")))
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    *,
+    timeout: timedelta | None = None,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Initialize ``torch.distributed`` once (DeepSpeed's ``init_distributed``).
+
+    Reads RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as set by ``slipstream run`` or torchrun;
+    without them runs as a world of one. The backend defaults to NCCL when CUDA is present
+    and gloo otherwise; on CUDA the current device becomes ``LOCAL_RANK``.
+    """
+    if is_initialized():
+        return
+    if rank < 0 and "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank, world_size = 0, 1
+        os.environ.setdefault("LOCAL_RANK", "0")
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(get_local_rank())
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout or _default_timeout()}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if rank >= 0:
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+    logger.debug("initialized torch.distributed: backend=%s world=%d", backend, dist.get_world_size())
+
+
+def get_rank(group: Group = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: Group = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def global_rank(group: Group, group_rank: int) -> int:
+    """Global rank of ``group_rank`` within ``group``."""
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+    label: str | None = None,
+) -> dist.Work | None:
+    """In-place all-reduce of ``tensor``; message bytes = tensor bytes."""
+    comm_counters.record("all_reduce", group, _nbytes(tensor), label)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group = None,
+    async_op: bool = False,
+    label: str | None = None,
+) -> dist.Work | None:
+    """Gather equal shards into ``output`` (rank-major); message bytes = output bytes."""
+    comm_counters.record("all_gather", group, _nbytes(output), label)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+    label: str | None = None,
+) -> dist.Work | None:
+    """Reduce ``input`` across ranks, keep this rank's equal slice; bytes = input bytes."""
+    comm_counters.record("reduce_scatter", group, _nbytes(input), label)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Group = None,
+    async_op: bool = False,
+    label: str | None = None,
+) -> dist.Work | None:
+    """All-to-all over dim 0 of ``input``; message bytes = input bytes."""
+    comm_counters.record("all_to_all", group, _nbytes(input), label)
+    return dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False, label: str | None = None
+) -> dist.Work | None:
+    """Broadcast from global rank ``src``; message bytes = tensor bytes."""
+    comm_counters.record("broadcast", group, _nbytes(tensor), label)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def barrier(group: Group = None) -> None:
+    comm_counters.record("barrier", group, 0, None)
+    dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
+    """Gather one picklable object per rank (small control messages only)."""
+    out: list[Any] = [None] * get_world_size(group)
+    comm_counters.record("all_gather_object", group, 0, None)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def check_same_across_ranks(value: Any, what: str, group: Group = None) -> None:
+    """Raise on every rank if ``value`` differs between ranks, naming the ranks.
+
+    Used before collectives whose shapes depend on ``value`` so a divergence becomes an
+    error instead of a hang.
+    """
+    if get_world_size(group) == 1:
+        return
+    digest = hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+    digests = all_gather_object(digest, group)
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for r, d in enumerate(digests):
+            groups[d].append(r)
+        parts = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+        raise RuntimeError(
+            f"{what} differs between ranks (groups that agree: {parts}); this rank "
+            f"({get_rank()}) has {value!r:.300}. Every rank must build the same {what}"
+        )
+
+
+def log_summary(reset: bool = False) -> dict[str, dict[str, dict[str, int]]]:
+    """Log (rank 0) and return the per-axis, per-op call and byte counts since start/reset."""
+    table: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
+    for (axis, op), entry in sorted(comm_counters.stats.items()):
+        table[axis][op] = {"calls": entry.calls, "bytes": entry.bytes}
+    if get_rank() == 0:
+        lines = ["communication summary (this rank):", f"{'axis':<14}{'op':<20}{'calls':>8}{'MB':>12}"]
+        for axis, ops in table.items():
+            for op, s in ops.items():
+                lines.append(f"{axis:<14}{op:<20}{s['calls']:>8}{s['bytes'] / 2**20:>12.2f}")
+        logger.log(logging.INFO, "\n".join(lines))
+    if reset:
+        comm_counters.reset()
+    return dict(table)

@@ -1,0 +1,426 @@
+"""A LLaMA-style decoder-only transformer: the reference model of slipstream.
+
+One file, readable in one sitting (in the spirit of nanoGPT): pre-norm RMSNorm blocks,
+rotary position embeddings, grouped-query attention and a SwiGLU MLP, all linear layers
+without bias. The math follows Hugging Face's ``LlamaForCausalLM`` (rotate-half RoPE,
+fp32 RMSNorm, kv heads repeated consecutively), so weights can be copied one-to-one and
+the logits match; tests pin that parity.
+
+Module names are stable and HF-like because tensor-parallel plans address them::
+
+    embed_tokens
+    layers.{i}.attn_norm, layers.{i}.attn.{q_proj,k_proj,v_proj,o_proj}
+    layers.{i}.mlp_norm,  layers.{i}.mlp.{gate_proj,up_proj,down_proj}
+    norm, lm_head
+
+References: RoPE (Su et al. 2021, "RoFormer", sec. 3.4), GQA (Ainslie et al. 2023),
+SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"), RMSNorm (Zhang & Sennrich 2019),
+residual init scaling (Radford et al. 2019, GPT-2, sec. 2.3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.config._errors import ConfigError
+
+__all__ = ["GPT", "GPTConfig"]
+
+_PRESETS: dict[str, dict[str, int]] = {
+    # ~0.13M parameters: unit tests.
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64),
+    # ~4.6M parameters: the demo default on a 2-core CPU.
+    "small": dict(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4, max_seq_len=256),
+    # ~24M parameters: benchmarks.
+    "25m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, max_seq_len=1024),
+}
+
+
+def _default_intermediate_size(hidden_size: int) -> int:
+    """8/3 * hidden (keeps SwiGLU's 3 matrices at the FLOPs of a 4x GELU MLP), rounded up to 64."""
+    return 64 * math.ceil(8 * hidden_size / 3 / 64)
+
+
+@dataclass
+class GPTConfig:
+    """Shape and numerics of a :class:`GPT`. Validated at construction."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 matches :class:`slipstream.data.ByteTokenizer`."""
+    hidden_size: int = 256
+    """Width of the residual stream; must be divisible by ``num_heads``."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Number of query heads; head_dim = hidden_size // num_heads (must be even for RoPE)."""
+    num_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); must divide ``num_heads``.
+    None means ``num_heads`` (plain multi-head attention); resolved in ``__post_init__``."""
+    intermediate_size: int | None = None
+    """Hidden width of the SwiGLU MLP. None means 8/3 * hidden_size rounded up to a
+    multiple of 64; resolved in ``__post_init__``."""
+    max_seq_len: int = 256
+    """Longest sequence the RoPE cache covers; longer inputs raise."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """Epsilon added to the mean square in RMSNorm."""
+    tie_embeddings: bool = False
+    """Share one matrix between ``embed_tokens`` and ``lm_head``."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and on each residual branch, in [0, 1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            _require_positive(name, getattr(self, name))
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = _default_intermediate_size(self.hidden_size)
+        _require_positive("num_kv_heads", self.num_kv_heads)
+        _require_positive("intermediate_size", self.intermediate_size)
+        if self.hidden_size % self.num_heads != 0:
+            raise ConfigError(
+                f"GPTConfig.hidden_size={self.hidden_size} is not divisible by "
+                f"num_heads={self.num_heads}; choose a hidden_size that is a multiple of num_heads"
+            )
+        if (self.hidden_size // self.num_heads) % 2 != 0:
+            raise ConfigError(
+                f"GPTConfig head_dim=hidden_size/num_heads={self.hidden_size // self.num_heads} "
+                "is odd; RoPE rotates pairs of channels, so pick hidden_size and num_heads "
+                "giving an even head_dim"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"GPTConfig.num_kv_heads={self.num_kv_heads} does not divide "
+                f"num_heads={self.num_heads}; set num_kv_heads to a divisor of num_heads"
+            )
+        if not self.rope_theta > 0:
+            raise ConfigError(
+                f"GPTConfig.rope_theta={self.rope_theta} must be > 0; the usual value is 10000.0"
+            )
+        if not self.norm_eps > 0:
+            raise ConfigError(
+                f"GPTConfig.norm_eps={self.norm_eps} must be > 0; the usual value is 1e-5"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(
+                f"GPTConfig.dropout={self.dropout} must be in [0, 1); use 0.0 to disable dropout"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> GPTConfig:
+        """A named configuration: "tiny" (~0.13M params), "small" (~4.6M), "25m" (~24M).
+
+        ``overrides`` replace preset fields, e.g. ``GPTConfig.preset("small", max_seq_len=128)``.
+
+        Raises:
+            ConfigError: unknown preset name or unknown override field.
+        """
+        if name not in _PRESETS:
+            raise ConfigError(
+                f"unknown GPTConfig preset {name!r}; valid presets are: {', '.join(_PRESETS)}"
+            )
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - valid)
+        if unknown:
+            raise ConfigError(
+                f"unknown GPTConfig field(s) {unknown} in preset overrides; "
+                f"valid fields are: {', '.join(sorted(valid))}"
+            )
+        base = cls(**_PRESETS[name])  # type: ignore[arg-type]
+        # Re-derive intermediate_size from the new width unless it is given explicitly.
+        if "hidden_size" in overrides and "intermediate_size" not in overrides:
+            overrides["intermediate_size"] = None
+        return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def _require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(
+            f"GPTConfig.{name}={value!r} must be a positive integer; set it to an int >= 1"
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 and cast back (as HF Llama does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, H, T, D] by position; ``cos``/``sin`` are [T, D]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads and rotary embeddings."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads or config.num_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        kv_dim = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Head counts come from the weights, not the config, so a tensor-parallel plan that
+        # shards q/k/v by output rows keeps working with the local number of heads.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads.
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size or _default_intermediate_size(config.hidden_size)
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MLP(config)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model.
+
+    Construction initialises weights deterministically from the torch seed. For large
+    models, build on the meta device and materialise later::
+
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device="cpu")
+        model.init_weights()
+    """
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        device = torch.get_default_device()
+        # Build on meta, then materialise: nn's default initialisers never run, so
+        # init_weights() is the only consumer of the RNG and GPT(config) equals meta
+        # construction + to_empty + init_weights() under the same seed, on any device.
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            # Non-persistent: state_dict holds parameters only; init_weights() fills these.
+            shape = (config.max_seq_len, config.head_dim)
+            self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
+        self.embed_dropout = nn.Dropout(config.dropout)
+        self.to_empty(device=device)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head`` share ``embed_tokens.weight`` when ``config.tie_embeddings``.
+
+        Called by ``__init__`` and ``init_weights``, because ``to_empty`` from the meta
+        device replaces parameters and so breaks the tie.
+        """
+        if self.config.tie_embeddings and self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and the RoPE cache in place.
+
+        Linear and embedding weights ~ N(0, 0.02); the residual output projections
+        (``o_proj``, ``down_proj``) use std 0.02 / sqrt(2 * num_layers) so the residual
+        stream's variance does not grow with depth (GPT-2, sec. 2.3). Norm weights = 1.
+        Deterministic given the torch seed.
+        """
+        self.tie_weights()
+        std = 0.02
+        resid_std = std / math.sqrt(2 * self.config.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if module is self.lm_head and self.config.tie_embeddings:
+                    continue  # shares embed_tokens.weight, already initialised
+                is_resid = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, mean=0.0, std=resid_std if is_resid else std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self._init_rope()
+
+    def _init_rope(self) -> None:
+        # Angles in fp32 on the buffer's device (fp32 keeps large positions exact enough),
+        # then cast to the buffer's dtype, which follows model.to(dtype).
+        cfg = self.config
+        device = self.rope_cos.device
+        inv_freq = 1.0 / (
+            cfg.rope_theta
+            ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+        )
+        pos = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(pos, inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # [T, head_dim], rotate-half layout
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the model.
+
+        Args:
+            input_ids: token ids, int64 [B, T] with T <= ``config.max_seq_len``.
+            labels: optional targets aligned with ``input_ids`` (position t is predicted
+                from ``input_ids[:, : t + 1]``); -100 marks positions to ignore.
+
+        Returns:
+            Mean cross-entropy loss (scalar, fp32) when ``labels`` is given, else logits
+            [B, T, vocab_size] in the model's dtype.
+
+        Raises:
+            ValueError: T exceeds ``config.max_seq_len``.
+        """
+        t = input_ids.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {t} exceeds GPTConfig.max_seq_len={self.config.max_seq_len}; "
+                "truncate the input or build the model with a larger max_seq_len"
+            )
+        x = self.embed_dropout(self.embed_tokens(input_ids))
+        cos = self.rope_cos[:t].to(x.dtype)
+        sin = self.rope_sin[:t].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        # fp32 upcast: a bf16 log-softmax over the vocabulary loses too much precision.
+        return F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``input_ids`` [B, T0].
+
+        Recomputes the full (cropped) context each step; no KV cache, this is a reference
+        path. Does not change train/eval mode: call ``model.eval()`` first if dropout > 0.
+
+        Args:
+            input_ids: prompt, int64 [B, T0], T0 >= 1.
+            max_new_tokens: number of tokens to append (>= 0).
+            temperature: softmax temperature; 0 means greedy (argmax).
+            top_k: keep only the k most likely tokens before sampling.
+            generator: RNG for sampling, for reproducible output.
+
+        Returns:
+            int64 [B, T0 + max_new_tokens].
+        """
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(
+                f"generate got max_new_tokens={max_new_tokens}, temperature={temperature}, "
+                f"top_k={top_k}; need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None"
+            )
+        ids = input_ids
+        for _ in range(max_new_tokens):
+            logits = self(ids[:, -self.config.max_seq_len :])[:, -1, :].float()
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            ids = torch.cat((ids, next_id), dim=1)
+        return ids
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters (a tied matrix counts once).
+
+        ``exclude_embeddings`` drops the token embedding table (when tied, that is also
+        ``lm_head``'s weight), the usual "non-embedding" count (Kaplan et al. 2020).
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.embed_tokens.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward), for MFU reporting.
+
+        6 * N_matmul + 12 * L * H * D * T, after PaLM (Chowdhery et al. 2022, appendix B):
+        N_matmul counts every weight used in a matmul (``lm_head`` included even when tied;
+        the embedding lookup and norms do no matmul), and the second term is attention
+        scores and weighted values over a context of T = ``seq_len`` (default
+        ``max_seq_len``), counted without the causal halving, as PaLM does.
+        """
+        cfg = self.config
+        t = cfg.max_seq_len if seq_len is None else seq_len
+        n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * n_matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t

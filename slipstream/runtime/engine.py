@@ -1,0 +1,238 @@
+"""The training engine: sequences forward, backward and step. It holds no feature logic.
+
+Gradient reduction, sharding, precision and clipping live in the ZeRO optimizer and its
+reducer (``slipstream.zero``); the engine counts micro-steps, scales the loss and calls
+them in order, with DeepSpeed's method names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream._logging import log_rank0
+from slipstream.config.schema import SlipstreamConfig
+from slipstream.distributed import comm
+from slipstream.runtime.timers import StepTimers
+from slipstream.zero import ZeroOptimizer
+
+__all__ = ["Engine"]
+
+
+class Engine(nn.Module):
+    """DeepSpeed-compatible engine around a module prepared by ``slipstream.initialize``.
+
+    Use ``loss = engine(batch...)``, ``engine.backward(loss)``, ``engine.step()`` every
+    micro-step; the optimizer steps only on the accumulation boundary.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: ZeroOptimizer | None,
+        lr_scheduler: Any,
+        config: SlipstreamConfig,
+        mesh: Any,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config
+        self.mesh = mesh
+        self.device = device
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._no_sync = False
+        self._boundary_override: bool | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._timers = StepTimers(config.wall_clock_breakdown, device)
+        self._last_print = time.perf_counter()
+        comm.comm_counters.verbose = config.comms_logger.verbose
+        if not config.comms_logger.prof_all:
+            comm.comm_counters.prof_ops = set(config.comms_logger.prof_ops)
+
+    # ---------------------------------------------------------------- introspection
+    def train_batch_size(self) -> int:
+        return self.config.batch[0]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.batch[1]
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.batch[2]
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    @property
+    def local_rank(self) -> int:
+        return comm.get_local_rank()
+
+    @property
+    def global_rank(self) -> int:
+        return comm.get_rank()
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.config.batch[0] // (self.config.batch[1] * self.config.batch[2])
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self._require_optimizer().param_groups]
+
+    def get_mom(self) -> list[Any]:
+        return [g.get("betas", (g.get("momentum"),))[0] for g in self._require_optimizer().param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm (unscaled, before clipping) of the last optimizer step."""
+        return None if self.optimizer is None else self.optimizer.global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        if not self.config.managed_gradient_accumulation:
+            return True
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force the boundary flag for the next step (DeepSpeed's manual control)."""
+        self._boundary_override = is_boundary
+
+    # --------------------------------------------------------------------- training
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            inputs = tuple(_cast_floats(x, torch.float16) for x in inputs)
+            kwargs = {k: _cast_floats(v, torch.float16) for k, v in kwargs.items()}
+        with self._timers.phase("forward"):
+            return self.module(*inputs, **kwargs)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as ``backward`` would differentiate it (1/accumulation x loss scale)."""
+        opt = self._require_optimizer()
+        factor = opt.loss_scale
+        if self.config.managed_gradient_accumulation:
+            factor /= self.gradient_accumulation_steps()
+        opt.reducer.sync = self.is_gradient_accumulation_boundary() and not self._no_sync
+        return loss * factor if factor != 1.0 else loss
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
+
+        Gradients are accumulated and, on the boundary (or every micro-step at stage 2),
+        reduced across data-parallel ranks while backward runs.
+        """
+        if loss.dim() != 0:
+            raise ValueError(
+                f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}: reduce "
+                "it first (e.g. loss.mean())"
+            )
+        self._last_loss = loss.detach()
+        scaled = self.scale(loss)
+        if not scale_wrt_gas and self.config.managed_gradient_accumulation:
+            scaled = scaled * self.gradient_accumulation_steps()
+        with self._timers.phase("backward"):
+            scaled.backward(retain_graph=retain_graph)
+            self._require_optimizer().reducer.wait()
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Advance one micro-step; on the boundary run the optimizer, scheduler and zero grads."""
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync() is not allowed: leave the context first")
+        opt = self._require_optimizer()
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            with self._timers.phase("step"):
+                self._step_applied = opt.step()
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+                log_rank0(
+                    "step %d skipped: gradient overflow; loss scale is now %s",
+                    self.global_steps + 1,
+                    opt.loss_scale,
+                )
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._maybe_print()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without reducing them (stages 0 and 1)."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise RuntimeError(
+                f"no_sync() is incompatible with ZeRO stage {stage}: gradients are partitioned "
+                "(reduce-scattered) every micro-step. Use gradient_accumulation_steps instead, "
+                "or ZeRO stage 0/1"
+            )
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def destroy(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.reducer.remove_hooks()
+
+    # ---------------------------------------------------------------------- helpers
+    def _require_optimizer(self) -> ZeroOptimizer:
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this engine has no optimizer: pass optimizer= to initialize() or add an "
+                "'optimizer' block to the config"
+            )
+        return self.optimizer
+
+    def _maybe_print(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every:
+            return
+        now = time.perf_counter()
+        rate = every * self.train_batch_size() / max(now - self._last_print, 1e-9)
+        self._last_print = now
+        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
+        norm = self.get_global_grad_norm()
+        msg = (
+            f"step={self.global_steps} loss={loss:.4f} lr={self.get_lr()} "
+            f"grad_norm={norm if norm is None else round(norm, 4)} samples/s={rate:.1f}"
+        )
+        if self.config.wall_clock_breakdown:
+            msg += " | " + self._timers.report(every)
+        log_rank0(msg)
+        if self.config.comms_logger.enabled:
+            comm.log_summary()
+
+
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(dtype)
+    return x

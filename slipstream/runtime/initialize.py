@@ -1,0 +1,245 @@
+"""``slipstream.initialize``: read the config, build the components, return the 4-tuple.
+
+This is the thin facade of DESIGN.md: it parses the config once, builds the mesh, applies
+``shard_zero_`` and wires optimizer, scheduler and dataloader; the engine only sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream._logging import log_rank0
+from slipstream.config import AutoContext, ConfigError, SlipstreamConfig, parse_config
+from slipstream.distributed import comm
+from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group
+from slipstream.runtime.dataloader import build_dataloader
+from slipstream.runtime.engine import Engine
+from slipstream.runtime.precision import LossScaler, PrecisionPolicy
+from slipstream.zero import StepPolicy, ZeroOptimizer, shard_zero_
+
+__all__ = ["initialize"]
+
+OptimizerLike = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: OptimizerLike | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset[Any] | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    config: SlipstreamConfig | dict[str, Any] | str | None = None,
+    config_params: SlipstreamConfig | dict[str, Any] | str | None = None,
+) -> tuple[Engine, ZeroOptimizer | None, Any, Any]:
+    """Prepare ``model`` for training; DeepSpeed's ``deepspeed.initialize``.
+
+    Args:
+        args: optional argparse namespace; ``args.deepspeed_config`` is read if ``config``
+            is not given.
+        model: the module to train (required).
+        optimizer: a torch optimizer over the model's parameters, or a callable taking
+            parameters and returning one; overrides the config's ``optimizer`` block.
+        model_parameters: parameters or param-group dicts to optimize (default: all
+            trainable parameters of ``model``).
+        training_data: a Dataset; a distributed dataloader of micro-batches is returned.
+        lr_scheduler: a scheduler or a callable taking the optimizer; overrides the config.
+        distributed_port: MASTER_PORT when initializing a single process.
+        dist_init_required: initialize torch.distributed (None: if not yet initialized).
+        collate_fn: collate function for the returned dataloader.
+        config: dict, JSON/HJSON path, base64 JSON, or ``SlipstreamConfig``.
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)``; dataloader and scheduler may be None.
+    Raises:
+        ConfigError: bad config (unknown keys, batch sizes, unresolvable "auto", ...).
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=: pass the nn.Module to train")
+    if mpu is not None:
+        raise ValueError("mpu= (Megatron model-parallel unit) is not supported yet: tensor/pipeline parallelism arrives with issue 6")
+    config = _pick_config(args, config, config_params)
+    if distributed_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    if dist_init_required is not False:
+        comm.init_distributed()
+    dims = ParallelDims(world_size=comm.get_world_size())
+    mesh = build_mesh(dims)
+    group = dp_group(mesh)
+    device = _device()
+
+    client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    cfg = parse_config(config, dp_world_size=dims.dp, auto=_auto_context(model, client_opt))
+    _check_ranks_agree(model, cfg)
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+
+    model_dtype = _floating_dtype(model)
+    policy = PrecisionPolicy.from_config(cfg.fp16, cfg.bf16, cfg.data_types, cfg.communication_data_type, model_dtype)
+    model.to(device)
+    if policy.param_dtype != model_dtype:
+        model.to(policy.param_dtype)
+
+    groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
+    zero_opt: ZeroOptimizer | None = None
+    if make_optimizer is not None:
+        step = StepPolicy(
+            loss_scaler=LossScaler(cfg.fp16),
+            clip=cfg.gradient_clipping,
+            check_overflow=cfg.fp16.enabled or cfg.bf16.check_grad_overflow,
+            prescale_gradients=cfg.prescale_gradients,
+            predivide_factor=cfg.gradient_predivide_factor,
+        )
+        zero_opt = shard_zero_(model, group, cfg.zero_optimization, policy, groups, make_optimizer, step)
+    scheduler = _scheduler(lr_scheduler, zero_opt, client_opt, cfg)
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(
+            training_data,
+            cfg.batch[1],
+            dims.dp,
+            comm.get_rank(group),
+            collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last,
+            seed=cfg.seed or 0,
+        )
+    engine = Engine(model, zero_opt, scheduler, cfg, mesh, device)
+    log_rank0(
+        "slipstream: world=%d dp=%d zero_stage=%d dtype=%s batch=%s (global, micro, accumulation)",
+        comm.get_world_size(),
+        dims.dp,
+        cfg.zero_optimization.stage,
+        str(policy.param_dtype).replace("torch.", ""),
+        cfg.batch,
+    )
+    return engine, zero_opt, loader, scheduler
+
+
+def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is None:
+        raise ConfigError(
+            "no config given: pass config= (a dict, a JSON/HJSON path or base64 JSON) or "
+            "args with --deepspeed_config"
+        )
+    return config
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    conf = getattr(model, "config", None)
+    for attr in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(conf, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _auto_context(model: nn.Module, client_opt: torch.optim.Optimizer | None) -> AutoContext:
+    from slipstream.optim import optimizer_defaults
+
+    hparams: dict[str, Any] = {}
+    if client_opt is not None:
+        hparams = {k: v for k, v in client_opt.param_groups[0].items() if k != "params"}
+    return AutoContext(
+        hidden_size=_hidden_size(model),
+        model_dtype=_floating_dtype(model),
+        optimizer_defaults=optimizer_defaults,
+        client_hparams=hparams,
+    )
+
+
+def _check_ranks_agree(model: nn.Module, cfg: SlipstreamConfig) -> None:
+    """Fail fast (instead of hanging in a collective) if ranks built different things."""
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    comm.check_same_across_ranks(shapes, "model (parameter names, shapes and dtypes)")
+    comm.check_same_across_ranks(json.dumps(cfg.model_dump(), sort_keys=True, default=str), "config")
+
+
+def _optimizer_plan(
+    model: nn.Module, optimizer: OptimizerLike | None, model_parameters: Iterable[Any] | None, cfg: SlipstreamConfig
+) -> tuple[list[dict[str, Any]], Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None]:
+    """Param groups and a factory that builds the inner optimizer over master tensors."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            log_rank0("a client optimizer was passed: the config's 'optimizer' block is not used")
+        client = optimizer
+        groups = [dict(g) for g in client.param_groups]
+
+        def retarget(new_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            # Keep the user's optimizer object (and schedulers bound to it): point its
+            # param groups at the master tensors and start from empty state.
+            if any(len(s) for s in client.state.values()):
+                log_rank0("the client optimizer had state; it is reset for the sharded masters")
+            for g, ng in zip(client.param_groups, new_groups):
+                g["params"] = ng["params"]
+            client.state.clear()
+            return client
+
+        return groups, retarget
+    if model_parameters is not None:
+        items = list(model_parameters)
+        groups = [dict(g) for g in items] if items and isinstance(items[0], dict) else [{"params": items}]
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if callable(optimizer):
+        factory = optimizer
+        return groups, lambda new_groups: factory(new_groups)
+    if cfg.optimizer is None:
+        return groups, None
+    from slipstream.optim import build_optimizer
+
+    opt_cfg = cfg.optimizer
+    build_optimizer(opt_cfg.type, opt_cfg.params, [torch.zeros(1, requires_grad=True)])  # validate early
+    return groups, lambda new_groups: build_optimizer(opt_cfg.type, opt_cfg.params, new_groups)
+
+
+def _scheduler(
+    lr_scheduler: Any, zero_opt: ZeroOptimizer | None, client_opt: torch.optim.Optimizer | None, cfg: SlipstreamConfig
+) -> Any:
+    if zero_opt is None:
+        if lr_scheduler is not None or cfg.scheduler is not None:
+            raise ConfigError("a scheduler needs an optimizer: add an 'optimizer' block or pass optimizer=")
+        return None
+    inner = zero_opt.optimizer
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(inner)
+        bound = getattr(lr_scheduler, "optimizer", None)
+        if bound is not None and bound is not inner and bound is not client_opt:
+            raise ValueError(
+                "lr_scheduler is bound to an optimizer other than the one passed to "
+                "initialize(): build it on that optimizer, or pass a callable"
+            )
+        if cfg.scheduler is not None:
+            log_rank0("a client lr_scheduler was passed: the config's 'scheduler' block is not used")
+        return lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    from slipstream.optim import build_scheduler
+
+    return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, inner)

@@ -1,0 +1,126 @@
+"""ZeRO data parallelism, stages 0-2, applied in place: ``shard_zero_``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream._logging import log_rank0
+from slipstream.config.zero import ZeroConfig
+from slipstream.distributed import comm
+from slipstream.runtime.precision import LossScaler, PrecisionPolicy
+from slipstream.zero.flat import Bucket, build_buckets
+from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.reducer import GradientReducer, ReducePolicy
+
+__all__ = ["Bucket", "StepPolicy", "ZeroOptimizer", "shard_zero_"]
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """What happens at the optimizer step besides the update itself."""
+
+    loss_scaler: LossScaler
+    clip: float = 0.0
+    check_overflow: bool = False
+    prescale_gradients: bool = False
+    predivide_factor: float = 1.0
+
+
+def _param_groups(model: nn.Module, groups: Sequence[dict[str, Any]]) -> list[list[nn.Parameter]]:
+    names = {p: n for n, p in model.named_parameters()}
+    seen: set[nn.Parameter] = set()
+    out: list[list[nn.Parameter]] = []
+    for gi, group in enumerate(groups):
+        plist = []
+        for p in group["params"]:
+            if p not in names:
+                raise ValueError(
+                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
+                    "not a parameter of the model passed to initialize(): build the optimizer "
+                    "from model.parameters()"
+                )
+            if p in seen:
+                raise ValueError(f"parameter '{names[p]}' appears in more than one param group")
+            seen.add(p)
+            if p.requires_grad:
+                plist.append(p)
+        out.append(plist)
+    return out
+
+
+def shard_zero_(
+    model: nn.Module,
+    dp_group: comm.Group,
+    cfg: ZeroConfig,
+    precision: PrecisionPolicy,
+    param_groups: Sequence[dict[str, Any]],
+    make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+    step: StepPolicy,
+) -> ZeroOptimizer:
+    """Apply ZeRO stage 0, 1 or 2 to ``model`` in place and return its optimizer.
+
+    Parameters keep their names and modules; each becomes a view into a flat bucket.
+    Parameters are broadcast from data-parallel rank 0 so all replicas start equal.
+
+    Args:
+        model: the module (already on its device and in the compute dtype).
+        dp_group: data-parallel process group.
+        cfg: ``zero_optimization`` config (stage, bucket sizes, overlap).
+        precision: dtypes of parameters, master weights, accumulation and reduction.
+        param_groups: optimizer param groups (dicts with ``params`` and hyperparameters).
+        make_optimizer: builds the inner optimizer on the master tensors.
+        step: loss scaling, clipping and overflow policy.
+    Communication: stage 0/1 one all-reduce of all gradients per optimizer step; stage 2
+    one reduce-scatter per micro-step; stage 1/2 one all-gather of the parameters per step.
+    """
+    if cfg.stage > 2:
+        raise ValueError(f"shard_zero_ handles stages 0-2, got stage {cfg.stage}")
+    names = {p: n for n, p in model.named_parameters()}
+    groups = _param_groups(model, param_groups)
+    trainable = {p for g in groups for p in g}
+    orphans = [n for p, n in names.items() if p.requires_grad and p not in trainable]
+    if orphans:
+        log_rank0("parameters not in any optimizer param group are not trained: %s", orphans[:8])
+    dp_size = comm.get_world_size(dp_group)
+    buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)
+    _broadcast_from_dp0(model, buckets, dp_group)
+    policy = ReducePolicy(
+        partition_grads=cfg.stage == 2 and dp_size > 1,
+        accum_dtype=precision.grad_accum_dtype,
+        reduce_dtype=precision.reduce_dtype,
+        overlap=cfg.overlap,
+        predivide_factor=step.predivide_factor if step.prescale_gradients else 1.0,
+        ignore_unused=cfg.ignore_unused_parameters,
+    )
+    reducer = GradientReducer(buckets, dp_group, policy, shard_grads=cfg.stage >= 1)
+    hparams = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+    return ZeroOptimizer(
+        buckets,
+        reducer,
+        make_optimizer,
+        hparams,
+        dp_group,
+        partition=cfg.stage >= 1,
+        master_dtype=precision.master_dtype,
+        loss_scaler=step.loss_scaler,
+        clip=step.clip,
+        check_overflow=step.check_overflow,
+    )
+
+
+@torch.no_grad()
+def _broadcast_from_dp0(model: nn.Module, buckets: Sequence[Bucket], dp_group: comm.Group) -> None:
+    if comm.get_world_size(dp_group) == 1:
+        return
+    src = comm.global_rank(dp_group, 0)
+    for b in buckets:
+        comm.broadcast(b.flat, src=src, group=dp_group, label="init_params")
+    in_buckets = {id(p) for b in buckets for p in b.params}
+    for t in [p for p in model.parameters() if id(p) not in in_buckets] + list(model.buffers()):
+        if t.is_floating_point() or t.dtype in (torch.int64, torch.int32):
+            comm.broadcast(t.data, src=src, group=dp_group, label="init_params")

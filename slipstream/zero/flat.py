@@ -1,0 +1,101 @@
+"""Flat, bucketed parameter storage shared by ZeRO stages 0-2.
+
+Trainable parameters are laid out (in reverse registration order, which is roughly the
+order backward produces their gradients) into buckets of about ``reduce_bucket_size``
+elements. Each bucket owns one flat tensor in the parameter dtype and every parameter
+becomes a view into it, so a bucket can be reduced or gathered with one collective. Each
+bucket is padded to a multiple of the data-parallel size and split into equal contiguous
+shards: rank ``r`` owns elements ``[r * shard, (r + 1) * shard)`` of every bucket
+(ZeRO's flat partitioning, Rajbhandari et al. 2020, section 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["Bucket", "build_buckets"]
+
+
+@dataclass
+class Bucket:
+    """One reduction unit: parameters of one dtype and one optimizer param group."""
+
+    index: int
+    group_index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    numel: int
+    dp_size: int
+    flat: torch.Tensor = field(repr=False)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.dp_size
+
+    def shard_slice(self, dp_rank: int) -> slice:
+        return slice(dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel)
+
+    def grad_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """The 1-D region of a bucket-sized ``buffer`` that belongs to parameter ``i``."""
+        return buffer[self.offsets[i] : self.offsets[i] + self.params[i].numel()]
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_buckets(
+    groups: Sequence[Sequence[nn.Parameter]],
+    names: dict[nn.Parameter, str],
+    bucket_numel: int,
+    dp_size: int,
+) -> list[Bucket]:
+    """Lay out ``groups`` of trainable parameters into flat buckets; params become views.
+
+    Args:
+        groups: parameters per optimizer param group (each parameter in exactly one group).
+        names: qualified name of each parameter, for error messages.
+        bucket_numel: target elements per bucket (a larger parameter gets its own bucket).
+        dp_size: data-parallel size; every bucket is padded to a multiple of it.
+    Returns:
+        Buckets in launch order (the order gradients are expected to become ready).
+    """
+    buckets: list[Bucket] = []
+    for gi, params in enumerate(groups):
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in reversed(list(params)):
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for plist in by_dtype.values():
+            current: list[nn.Parameter] = []
+            size = 0
+            for p in plist:
+                if current and size + p.numel() > bucket_numel:
+                    buckets.append(_make_bucket(len(buckets), gi, current, names, dp_size))
+                    current, size = [], 0
+                current.append(p)
+                size += p.numel()
+            if current:
+                buckets.append(_make_bucket(len(buckets), gi, current, names, dp_size))
+    return buckets
+
+
+def _make_bucket(
+    index: int, group_index: int, params: list[nn.Parameter], names: dict[nn.Parameter, str], dp: int
+) -> Bucket:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    numel = _pad(total, dp)
+    first = params[0]
+    flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    for p, off in zip(params, offsets):
+        view = flat[off : off + p.numel()]
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view_as(p)
+    return Bucket(index, group_index, params, [names[p] for p in params], offsets, numel, dp, flat)

@@ -1,0 +1,172 @@
+"""The ZeRO optimizer for stages 0-2: master weights, step, clipping, parameter gather.
+
+Each bucket has a master tensor: this rank's shard of the bucket (stages 1/2) or the whole
+bucket (stage 0), in the master dtype. When the master dtype equals the parameter dtype the
+master *is* that slice of the flat parameter storage (no copy). The wrapped torch optimizer
+updates the master tensors, so its states have the same size as the masters: 1/dp of the
+model at stages 1/2 (ZeRO-1, Rajbhandari et al. 2020, section 5.1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from slipstream.distributed import comm
+from slipstream.runtime.precision import LossScaler
+from slipstream.zero.flat import Bucket
+from slipstream.zero.reducer import GradientReducer
+
+__all__ = ["ZeroOptimizer"]
+
+
+class ZeroOptimizer:
+    """Optimizer wrapper returned by ``initialize`` (DeepSpeed's wrapped optimizer).
+
+    Args:
+        buckets: flat parameter buckets (see ``zero.flat``).
+        reducer: gradient buffers and reduction.
+        make_optimizer: builds the inner torch optimizer from param-group dicts whose
+            ``params`` are the master tensors.
+        group_hparams: hyperparameters of each param group (without ``params``).
+        dp_group: data-parallel group.
+        partition: stage >= 1: each rank updates only its shard, then all-gathers.
+        master_dtype: dtype of master weights.
+        loss_scaler: fp16 loss scale (``enabled=False`` for fp32/bf16).
+        clip: global gradient-norm clip (0 disables).
+        check_overflow: skip the step when gradients are not finite.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        reducer: GradientReducer,
+        make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+        group_hparams: Sequence[dict[str, Any]],
+        dp_group: comm.Group,
+        partition: bool,
+        master_dtype: torch.dtype,
+        loss_scaler: LossScaler,
+        clip: float = 0.0,
+        check_overflow: bool = False,
+    ) -> None:
+        self.buckets = list(buckets)
+        self.reducer = reducer
+        self.group = dp_group
+        self.dp_rank = comm.get_rank(dp_group)
+        self.dp_size = comm.get_world_size(dp_group)
+        self.partition = partition and self.dp_size > 1
+        self.loss_scaler = loss_scaler
+        self.clip = clip
+        self.check_overflow = check_overflow or loss_scaler.enabled
+        self.masters = [self._make_master(b, master_dtype) for b in self.buckets]
+        groups: list[dict[str, Any]] = [dict(h, params=[]) for h in group_hparams]
+        for b, m in zip(self.buckets, self.masters):
+            groups[b.group_index]["params"].append(m)
+        self.optimizer = make_optimizer(groups)
+        self.global_grad_norm: float | None = None
+        self.overflow = False
+
+    def _make_master(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        region = bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
+        if region.dtype == dtype:
+            return region  # the master is the parameter storage itself
+        return region.detach().to(dtype).clone()
+
+    # ------------------------------------------------------------------ torch-like API
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear accumulated gradients (the module's ``.grad`` are always None)."""
+        self.reducer.zero()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held by this rank."""
+        return sum(
+            v.numel() * v.element_size()
+            for s in self.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+    def master_bytes(self) -> int:
+        """Bytes of master weights held by this rank that are not module storage."""
+        return sum(
+            m.numel() * m.element_size()
+            for m, b in zip(self.masters, self.buckets)
+            if m.untyped_storage().data_ptr() != b.flat.untyped_storage().data_ptr()
+        )
+
+    # ---------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Unscale, clip, update and re-gather; returns False when the step was skipped."""
+        self.reducer.wait()
+        grads = [self.reducer.grad_shard(i) for i in range(len(self.buckets))]
+        inv_scale = 1.0 / self.loss_scaler.scale
+        norm = self._global_norm(grads) * inv_scale
+        self.global_grad_norm = norm
+        self.overflow = self.check_overflow and not math.isfinite(norm)
+        self.loss_scaler.update(self.overflow)
+        if self.overflow:
+            self.reducer.zero()
+            return False
+        coef = inv_scale
+        if self.clip > 0 and norm > self.clip:
+            coef *= self.clip / (norm + 1e-6)
+        for master, grad in zip(self.masters, grads):
+            if coef != 1.0:
+                grad.mul_(coef)
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        self._publish()
+        self.reducer.zero()
+        return True
+
+    def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            sq += g.float().pow(2).sum()
+        if self.partition:
+            comm.all_reduce(sq, group=self.group, label="grad_norm")
+        return float(sq.sqrt())
+
+    def _publish(self) -> None:
+        """Copy updated masters into the parameters and gather every rank's shard."""
+        works = []
+        for bucket, master in zip(self.buckets, self.masters):
+            region = bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
+            if master.data_ptr() != region.data_ptr():
+                region.copy_(master)
+            if self.partition:
+                shard = region if region.is_cuda else region.clone()
+                works.append(
+                    comm.all_gather_into_tensor(
+                        bucket.flat, shard, group=self.group, async_op=True, label=f"param_bucket{bucket.index}"
+                    )
+                )
+        for w in works:
+            if w is not None:
+                w.wait()

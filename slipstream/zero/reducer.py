@@ -1,0 +1,223 @@
+"""Gradient accumulation and bucketed, overlapped reduction for ZeRO stages 0-2.
+
+A post-accumulate-grad hook on every trainable parameter adds its gradient into a flat,
+bucket-sized buffer in the accumulation dtype (fp32 by default, so bf16/fp16 gradients are
+accumulated without rounding) and frees ``param.grad``. When every parameter of a bucket has
+reported, the bucket's collective is launched asynchronously (``overlap_comm``) while
+backward continues:
+
+* stage 0/1: the whole-model buffer is all-reduced on the accumulation boundary only
+  (micro-steps in between accumulate locally, like DDP's ``no_sync``);
+* stage 2: every micro-step reduce-scatters each bucket into this rank's shard accumulator,
+  so no rank keeps a full set of gradients (ZeRO-2, Rajbhandari et al. 2020, section 5.2).
+
+Buckets are launched strictly in index order on every rank, so ranks issue identical
+collective sequences even when parameters are unused or gradients arrive in another order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slipstream.distributed import comm
+from slipstream.zero.flat import Bucket
+
+__all__ = ["GradientReducer", "ReducePolicy"]
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How gradients are accumulated and reduced.
+
+    Attributes:
+        partition_grads: stage 2 (reduce-scatter into shards) instead of all-reduce.
+        accum_dtype: dtype of the accumulation buffers.
+        reduce_dtype: dtype on the wire.
+        overlap: launch collectives asynchronously during backward.
+        predivide_factor: divide by this before reduction (``prescale_gradients``), by
+            dp / factor after it; 1.0 divides by dp after the reduction.
+        ignore_unused: reduce zeros for parameters without a gradient instead of raising.
+    """
+
+    partition_grads: bool
+    accum_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    overlap: bool = True
+    predivide_factor: float = 1.0
+    ignore_unused: bool = True
+
+
+@dataclass
+class _Pending:
+    bucket: Bucket
+    work: object
+    wire: torch.Tensor
+    out: torch.Tensor
+
+
+class GradientReducer:
+    """Owns gradient buffers and hooks; ``wait()`` leaves reduced gradients in place.
+
+    After ``wait()`` on an accumulation boundary, ``grad_shard(b)`` is this rank's averaged
+    gradient for bucket ``b`` (stage 0: the whole bucket).
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        dp_group: comm.Group,
+        policy: ReducePolicy,
+        shard_grads: bool,
+    ) -> None:
+        self.buckets = list(buckets)
+        self.group = dp_group
+        self.dp_size = comm.get_world_size(dp_group)
+        self.dp_rank = comm.get_rank(dp_group)
+        self.policy = policy
+        self.shard_grads = shard_grads  # optimizer sees a shard (stage 1/2), not the bucket
+        self.sync = True  # set by the engine: is this backward an accumulation boundary?
+        dev = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        accum = policy.accum_dtype
+        if policy.partition_grads:
+            self._accum = [torch.zeros(b.shard_numel, dtype=accum, device=dev) for b in self.buckets]
+            self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)
+        else:
+            self._accum = [torch.zeros(b.numel, dtype=accum, device=dev) for b in self.buckets]
+        self._where: dict[nn.Parameter, tuple[int, int]] = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b.index, i)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
+        self._reset_pass()
+
+    # ----------------------------------------------------------------- backward pass
+    def _reset_pass(self) -> None:
+        self._missing = [len(b.params) for b in self.buckets]
+        self._seen: set[nn.Parameter] = set()
+        self._next_launch = 0
+        self._launched = [False] * len(self.buckets)
+        self._pending: list[_Pending] = []
+        self._callback_queued = False
+        self._in_pass = False
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        assert isinstance(param, nn.Parameter) and param.grad is not None
+        b_idx, i = self._where[param]
+        bucket = self.buckets[b_idx]
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        self._in_pass = True
+        if self._launched[b_idx]:
+            raise RuntimeError(
+                f"parameter '{bucket.names[i]}' received a gradient after its bucket was "
+                "already reduced in this step: call engine.backward() once per micro-step "
+                "(sum the losses first if you have several)"
+            )
+        grad = param.grad.reshape(-1)
+        bucket.grad_view(self._buffer(b_idx), i).add_(grad)
+        param.grad = None
+        if param not in self._seen:
+            self._seen.add(param)
+            self._missing[b_idx] -= 1
+        if self._communicating and self._missing[b_idx] == 0:
+            self._launch_ready()
+
+    @property
+    def _communicating(self) -> bool:
+        return self.dp_size > 1 and (self.sync or self.policy.partition_grads)
+
+    def _buffer(self, b_idx: int) -> torch.Tensor:
+        if not self.policy.partition_grads:
+            return self._accum[b_idx]
+        staging = self._staging[b_idx]
+        if staging is None:
+            bucket = self.buckets[b_idx]
+            staging = torch.zeros(bucket.numel, dtype=self.policy.accum_dtype, device=bucket.flat.device)
+            self._staging[b_idx] = staging
+        return staging
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self._missing[self._next_launch] == 0:
+            self._launch(self._next_launch)
+            self._next_launch += 1
+
+    def _launch(self, b_idx: int) -> None:
+        bucket = self.buckets[b_idx]
+        self._launched[b_idx] = True
+        buf = self._buffer(b_idx)
+        wire = buf if buf.dtype == self.policy.reduce_dtype else buf.to(self.policy.reduce_dtype)
+        if self.policy.predivide_factor != 1.0:
+            wire.div_(self.policy.predivide_factor)
+        async_op = self.policy.overlap
+        label = f"grad_bucket{b_idx}"
+        if self.policy.partition_grads:
+            out = torch.empty(bucket.shard_numel, dtype=wire.dtype, device=wire.device)
+            work = comm.reduce_scatter_tensor(out, wire, group=self.group, async_op=async_op, label=label)
+        else:
+            out = wire
+            work = comm.all_reduce(wire, group=self.group, async_op=async_op, label=label)
+        self._pending.append(_Pending(bucket, work, wire, out))
+        if not async_op:
+            self._complete(self._pending.pop())
+
+    def _complete(self, pending: _Pending) -> None:
+        if pending.work is not None and hasattr(pending.work, "wait"):
+            pending.work.wait()
+        b_idx = pending.bucket.index
+        post = self.policy.predivide_factor / self.dp_size
+        if self.policy.partition_grads:
+            self._accum[b_idx].add_(pending.out, alpha=post)
+            self._staging[b_idx] = None
+        else:
+            if pending.wire is not self._accum[b_idx]:
+                self._accum[b_idx].copy_(pending.wire)
+            self._accum[b_idx].mul_(post)
+
+    def _end_of_backward(self) -> None:
+        self.wait()
+
+    def wait(self) -> None:
+        """Finish the current backward pass: launch leftover buckets in order, wait for all."""
+        if not self._in_pass:
+            return
+        if self._communicating:
+            unused = [
+                f"'{b.names[i]}'"
+                for b in self.buckets
+                for i, p in enumerate(b.params)
+                if p not in self._seen
+            ]
+            if unused and not self.policy.ignore_unused:
+                raise RuntimeError(
+                    f"parameters received no gradient this step: {', '.join(unused[:8])}; set "
+                    "zero_optimization.ignore_unused_parameters = true to reduce them as zeros"
+                )
+            for b_idx in range(self._next_launch, len(self.buckets)):
+                self._launch(b_idx)
+        for pending in self._pending:
+            self._complete(pending)
+        self._reset_pass()
+
+    # --------------------------------------------------------------------- optimizer
+    def grad_shard(self, b_idx: int) -> torch.Tensor:
+        """This rank's reduced gradient for bucket ``b_idx`` (what the optimizer updates)."""
+        if self.policy.partition_grads or not self.shard_grads:
+            return self._accum[b_idx]
+        return self._accum[b_idx][self.buckets[b_idx].shard_slice(self.dp_rank)]
+
+    def zero(self) -> None:
+        for buf in self._accum:
+            buf.zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._accum)
