@@ -18,7 +18,9 @@ from slipstream.version import __version__
 DeepSpeedEngine = Engine
 DeepSpeedConfig = SlipstreamConfig
 
-__version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split(".")[:3])
+__version_major__, __version_minor__, __version_patch__ = (
+    int(x) for x in __version__.split(".")[:3]
+)
 
 __all__ = [
     "ConfigError",
@@ -37,6 +39,13 @@ __all__ = [
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add DeepSpeed's ``--deepspeed`` and ``--deepspeed_config`` arguments to ``parser``."""
     group = parser.add_argument_group("slipstream", "slipstream (DeepSpeed-compatible) options")
-    group.add_argument("--deepspeed", default=False, action="store_true", help="enable the engine (compatibility flag)")
-    group.add_argument("--deepspeed_config", default=None, type=str, help="path to the JSON/HJSON config")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="enable the engine (compatibility flag)",
+    )
+    group.add_argument(
+        "--deepspeed_config", default=None, type=str, help="path to the JSON/HJSON config"
+    )
     return parser

@@ -11,6 +11,7 @@ others as soon as one fails and returns the first failure's exit code.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shlex
@@ -108,7 +109,10 @@ def _encode_world_info(resources: ResourceMap) -> str:
 def decode_world_info(text: str) -> list[tuple[str, list[int]]]:
     """Inverse of the ``--world_info`` encoding used for pdsh: ``[(host, slots), ...]``."""
     try:
-        return [(str(h), [int(s) for s in slots]) for h, slots in json.loads(base64.urlsafe_b64decode(text))]
+        return [
+            (str(h), [int(s) for s in slots])
+            for h, slots in json.loads(base64.urlsafe_b64decode(text))
+        ]
     except ValueError as err:
         raise LaunchError(f"--world_info: cannot decode {text!r}: {err}") from None
 
@@ -196,10 +200,8 @@ def _stop(procs: list[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
 
 def _close_stdin(proc: subprocess.Popen[str]) -> None:
     if proc.stdin is not None:
-        try:
+        with contextlib.suppress(OSError):
             proc.stdin.close()
-        except OSError:
-            pass
 
 
 def run_parallel(commands: list[NodeCommand]) -> int:

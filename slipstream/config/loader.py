@@ -30,7 +30,9 @@ AUTO = "auto"
 
 # (old name, new name) at the top level and inside zero_optimization.
 _TOP_ALIASES = {"bfloat16": "bf16"}
-_ZERO_ALIASES = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
+_ZERO_ALIASES = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"
+}
 
 
 @dataclass
@@ -81,7 +83,9 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
         try:
             return dict(hjson.loads(text, object_pairs_hook=_reject_duplicates))
         except hjson.HjsonDecodeError as exc:
-            raise ConfigError(f"config file '{path}' is neither valid JSON nor HJSON: {exc}") from None
+            raise ConfigError(
+                f"config file '{path}' is neither valid JSON nor HJSON: {exc}"
+            ) from None
     try:
         decoded = base64.b64decode(str(config), validate=True).decode()
         return json.loads(decoded, object_pairs_hook=_reject_duplicates)
@@ -130,7 +134,9 @@ def _apply_aliases(raw: dict[str, Any]) -> None:
 
 
 def _warn_alias(old: str, new: str) -> None:
-    warnings.warn(f"config key '{old}' is deprecated; use '{new}'", DeprecationWarning, stacklevel=4)
+    warnings.warn(
+        f"config key '{old}' is deprecated; use '{new}'", DeprecationWarning, stacklevel=4
+    )
 
 
 def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
@@ -308,7 +314,12 @@ def _batch_value(raw: dict[str, Any], key: str) -> int | None:
     value = raw.pop(key, None)
     if value is None or _is_auto(value):
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value or value < 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or int(value) != value
+        or value < 1
+    ):
         raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
     return int(value)
 
@@ -339,7 +350,9 @@ def parse_config(
     batch = {k: _batch_value(raw, k) for k in _BATCH_KEYS}
     _resolve_auto(raw, ctx)
     cfg: SlipstreamConfig = validate_model(SlipstreamConfig, raw, "")
-    tbs, mb, gas = resolve_batch_sizes(*batch.values(), dp_world_size=dp_world_size)
+    tbs, mb, gas = resolve_batch_sizes(
+        batch[_BATCH_KEYS[0]], batch[_BATCH_KEYS[1]], batch[_BATCH_KEYS[2]], dp_world_size
+    )
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = tbs, mb
     cfg.gradient_accumulation_steps = gas
     _check_consistency(cfg)
@@ -379,7 +392,9 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
                 "issue 5. Remove it"
             )
     if zero.mics_shard_size > 0:
-        raise ConfigError("zero_optimization.mics_shard_size (MiCS) is not implemented yet; remove it")
+        raise ConfigError(
+            "zero_optimization.mics_shard_size (MiCS) is not implemented yet; remove it"
+        )
     if cfg.sparse_gradients:
         raise ConfigError("sparse_gradients = true is not supported: set it to false")
     if cfg.fp16.fp16_master_weights_and_grads:

@@ -77,9 +77,13 @@ class ZeroConfig(StrictModel):
     """Optimizer-step granularity in elements (offload, issue 3)."""
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="prefetch_bucket_size")
     """Stage 3: elements prefetched ahead of use."""
-    stage3_param_persistence_threshold: int = Field(100_000, ge=0, alias="param_persistence_threshold")
+    stage3_param_persistence_threshold: int = Field(
+        100_000, ge=0, alias="param_persistence_threshold"
+    )
     """Stage 3: parameters smaller than this stay unpartitioned."""
-    stage3_model_persistence_threshold: int = Field(2**63 - 1, ge=0, alias="model_persistence_threshold")
+    stage3_model_persistence_threshold: int = Field(
+        2**63 - 1, ge=0, alias="model_persistence_threshold"
+    )
     """Stage 3: cap on total unpartitioned elements."""
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, alias="max_live_parameters")
     """Stage 3: cap on gathered elements alive at once."""

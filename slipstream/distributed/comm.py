@@ -148,7 +148,9 @@ def init_distributed(
     if rank >= 0:
         kwargs.update(rank=rank, world_size=world_size)
     dist.init_process_group(**kwargs)
-    logger.debug("initialized torch.distributed: backend=%s world=%d", backend, dist.get_world_size())
+    logger.debug(
+        "initialized torch.distributed: backend=%s world=%d", backend, dist.get_world_size()
+    )
 
 
 def get_rank(group: Group = None) -> int:
@@ -226,7 +228,11 @@ def all_to_all_single(
 
 
 def broadcast(
-    tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False, label: str | None = None
+    tensor: torch.Tensor,
+    src: int,
+    group: Group = None,
+    async_op: bool = False,
+    label: str | None = None,
 ) -> dist.Work | None:
     """Broadcast from global rank ``src``; message bytes = tensor bytes."""
     comm_counters.record("broadcast", group, _nbytes(tensor), label)
@@ -273,7 +279,10 @@ def log_summary(reset: bool = False) -> dict[str, dict[str, dict[str, int]]]:
     for (axis, op), entry in sorted(comm_counters.stats.items()):
         table[axis][op] = {"calls": entry.calls, "bytes": entry.bytes}
     if get_rank() == 0:
-        lines = ["communication summary (this rank):", f"{'axis':<14}{'op':<20}{'calls':>8}{'MB':>12}"]
+        lines = [
+            "communication summary (this rank):",
+            f"{'axis':<14}{'op':<20}{'calls':>8}{'MB':>12}",
+        ]
         for axis, ops in table.items():
             for op, s in ops.items():
                 lines.append(f"{axis:<14}{op:<20}{s['calls']:>8}{s['bytes'] / 2**20:>12.2f}")

@@ -25,7 +25,14 @@ def build_dataloader(
 
     Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle order.
     """
-    sampler = DistributedSampler(
-        dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset,
+        num_replicas=dp_world_size,
+        rank=dp_rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
     )
-    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+    return DataLoader(
+        dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last
+    )

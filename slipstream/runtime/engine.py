@@ -96,7 +96,9 @@ class Engine(nn.Module):
         return [g["lr"] for g in self._require_optimizer().param_groups]
 
     def get_mom(self) -> list[Any]:
-        return [g.get("betas", (g.get("momentum"),))[0] for g in self._require_optimizer().param_groups]
+        return [
+            g.get("betas", (g.get("momentum"),))[0] for g in self._require_optimizer().param_groups
+        ]
 
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm (unscaled, before clipping) of the last optimizer step."""
@@ -134,7 +136,9 @@ class Engine(nn.Module):
         opt.reducer.sync = self.is_gradient_accumulation_boundary() and not self._no_sync
         return loss * factor if factor != 1.0 else loss
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
 
         Gradients are accumulated and, on the boundary (or every micro-step at stage 2),
@@ -157,7 +161,9 @@ class Engine(nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; on the boundary run the optimizer, scheduler and zero grads."""
         if self._no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync() is not allowed: leave the context first")
+            raise RuntimeError(
+                "engine.step() inside engine.no_sync() is not allowed: leave the context first"
+            )
         opt = self._require_optimizer()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -179,7 +185,8 @@ class Engine(nn.Module):
         self.micro_steps += 1
         self._boundary_override = None
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear accumulated gradients (parameters' ``.grad`` are always None here)."""
         if self.optimizer is not None:
             self.optimizer.zero_grad()
 

@@ -66,7 +66,9 @@ def initialize(
     if model is None:
         raise ValueError("initialize() needs model=: pass the nn.Module to train")
     if mpu is not None:
-        raise ValueError("mpu= (Megatron model-parallel unit) is not supported yet: tensor/pipeline parallelism arrives with issue 6")
+        raise ValueError(
+            "mpu= (Megatron model-parallel unit) is not supported yet: tensor/pipeline parallelism arrives with issue 6"
+        )
     config = _pick_config(args, config, config_params)
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
@@ -84,7 +86,9 @@ def initialize(
         torch.manual_seed(cfg.seed)
 
     model_dtype = _floating_dtype(model)
-    policy = PrecisionPolicy.from_config(cfg.fp16, cfg.bf16, cfg.data_types, cfg.communication_data_type, model_dtype)
+    policy = PrecisionPolicy.from_config(
+        cfg.fp16, cfg.bf16, cfg.data_types, cfg.communication_data_type, model_dtype
+    )
     model.to(device)
     if policy.param_dtype != model_dtype:
         model.to(policy.param_dtype)
@@ -99,7 +103,9 @@ def initialize(
             prescale_gradients=cfg.prescale_gradients,
             predivide_factor=cfg.gradient_predivide_factor,
         )
-        zero_opt = shard_zero_(model, group, cfg.zero_optimization, policy, groups, make_optimizer, step)
+        zero_opt = shard_zero_(
+            model, group, cfg.zero_optimization, policy, groups, make_optimizer, step
+        )
     scheduler = _scheduler(lr_scheduler, zero_opt, client_opt, cfg)
     loader = None
     if training_data is not None:
@@ -177,11 +183,16 @@ def _check_ranks_agree(model: nn.Module, cfg: SlipstreamConfig) -> None:
     """Fail fast (instead of hanging in a collective) if ranks built different things."""
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     comm.check_same_across_ranks(shapes, "model (parameter names, shapes and dtypes)")
-    comm.check_same_across_ranks(json.dumps(cfg.model_dump(), sort_keys=True, default=str), "config")
+    comm.check_same_across_ranks(
+        json.dumps(cfg.model_dump(), sort_keys=True, default=str), "config"
+    )
 
 
 def _optimizer_plan(
-    model: nn.Module, optimizer: OptimizerLike | None, model_parameters: Iterable[Any] | None, cfg: SlipstreamConfig
+    model: nn.Module,
+    optimizer: OptimizerLike | None,
+    model_parameters: Iterable[Any] | None,
+    cfg: SlipstreamConfig,
 ) -> tuple[list[dict[str, Any]], Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None]:
     """Param groups and a factory that builds the inner optimizer over master tensors."""
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -203,7 +214,11 @@ def _optimizer_plan(
         return groups, retarget
     if model_parameters is not None:
         items = list(model_parameters)
-        groups = [dict(g) for g in items] if items and isinstance(items[0], dict) else [{"params": items}]
+        groups = (
+            [dict(g) for g in items]
+            if items and isinstance(items[0], dict)
+            else [{"params": items}]
+        )
     else:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     if callable(optimizer):
@@ -214,16 +229,23 @@ def _optimizer_plan(
     from slipstream.optim import build_optimizer
 
     opt_cfg = cfg.optimizer
-    build_optimizer(opt_cfg.type, opt_cfg.params, [torch.zeros(1, requires_grad=True)])  # validate early
+    build_optimizer(
+        opt_cfg.type, opt_cfg.params, [torch.zeros(1, requires_grad=True)]
+    )  # validate early
     return groups, lambda new_groups: build_optimizer(opt_cfg.type, opt_cfg.params, new_groups)
 
 
 def _scheduler(
-    lr_scheduler: Any, zero_opt: ZeroOptimizer | None, client_opt: torch.optim.Optimizer | None, cfg: SlipstreamConfig
+    lr_scheduler: Any,
+    zero_opt: ZeroOptimizer | None,
+    client_opt: torch.optim.Optimizer | None,
+    cfg: SlipstreamConfig,
 ) -> Any:
     if zero_opt is None:
         if lr_scheduler is not None or cfg.scheduler is not None:
-            raise ConfigError("a scheduler needs an optimizer: add an 'optimizer' block or pass optimizer=")
+            raise ConfigError(
+                "a scheduler needs an optimizer: add an 'optimizer' block or pass optimizer="
+            )
         return None
     inner = zero_opt.optimizer
     if lr_scheduler is not None:
@@ -236,7 +258,9 @@ def _scheduler(
                 "initialize(): build it on that optimizer, or pass a callable"
             )
         if cfg.scheduler is not None:
-            log_rank0("a client lr_scheduler was passed: the config's 'scheduler' block is not used")
+            log_rank0(
+                "a client lr_scheduler was passed: the config's 'scheduler' block is not used"
+            )
         return lr_scheduler
     if cfg.scheduler is None:
         return None

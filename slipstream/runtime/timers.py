@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 

@@ -85,7 +85,11 @@ def build_buckets(
 
 
 def _make_bucket(
-    index: int, group_index: int, params: list[nn.Parameter], names: dict[nn.Parameter, str], dp: int
+    index: int,
+    group_index: int,
+    params: list[nn.Parameter],
+    names: dict[nn.Parameter, str],
+    dp: int,
 ) -> Bucket:
     offsets, total = [], 0
     for p in params:

@@ -94,7 +94,10 @@ class ZeroOptimizer:
         self.reducer.zero()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -157,14 +160,20 @@ class ZeroOptimizer:
         """Copy updated masters into the parameters and gather every rank's shard."""
         works = []
         for bucket, master in zip(self.buckets, self.masters):
-            region = bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
+            region = (
+                bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
+            )
             if master.data_ptr() != region.data_ptr():
                 region.copy_(master)
             if self.partition:
                 shard = region if region.is_cuda else region.clone()
                 works.append(
                     comm.all_gather_into_tensor(
-                        bucket.flat, shard, group=self.group, async_op=True, label=f"param_bucket{bucket.index}"
+                        bucket.flat,
+                        shard,
+                        group=self.group,
+                        async_op=True,
+                        label=f"param_bucket{bucket.index}",
                     )
                 )
         for w in works:

@@ -83,7 +83,9 @@ class GradientReducer:
         dev = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
         accum = policy.accum_dtype
         if policy.partition_grads:
-            self._accum = [torch.zeros(b.shard_numel, dtype=accum, device=dev) for b in self.buckets]
+            self._accum = [
+                torch.zeros(b.shard_numel, dtype=accum, device=dev) for b in self.buckets
+            ]
             self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)
         else:
             self._accum = [torch.zeros(b.numel, dtype=accum, device=dev) for b in self.buckets]
@@ -92,6 +94,7 @@ class GradientReducer:
             for i, p in enumerate(b.params):
                 self._where[p] = (b.index, i)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
+        self._reduced = False  # stage 0/1: buffers already all-reduced since the last zero()
         self._reset_pass()
 
     # ----------------------------------------------------------------- backward pass
@@ -112,11 +115,11 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         self._in_pass = True
-        if self._launched[b_idx]:
+        if self._launched[b_idx] or self._reduced:
             raise RuntimeError(
                 f"parameter '{bucket.names[i]}' received a gradient after its bucket was "
                 "already reduced in this step: call engine.backward() once per micro-step "
-                "(sum the losses first if you have several)"
+                "and engine.step() after each (sum the losses first if you have several)"
             )
         grad = param.grad.reshape(-1)
         bucket.grad_view(self._buffer(b_idx), i).add_(grad)
@@ -137,7 +140,9 @@ class GradientReducer:
         staging = self._staging[b_idx]
         if staging is None:
             bucket = self.buckets[b_idx]
-            staging = torch.zeros(bucket.numel, dtype=self.policy.accum_dtype, device=bucket.flat.device)
+            staging = torch.zeros(
+                bucket.numel, dtype=self.policy.accum_dtype, device=bucket.flat.device
+            )
             self._staging[b_idx] = staging
         return staging
 
@@ -157,7 +162,9 @@ class GradientReducer:
         label = f"grad_bucket{b_idx}"
         if self.policy.partition_grads:
             out = torch.empty(bucket.shard_numel, dtype=wire.dtype, device=wire.device)
-            work = comm.reduce_scatter_tensor(out, wire, group=self.group, async_op=async_op, label=label)
+            work = comm.reduce_scatter_tensor(
+                out, wire, group=self.group, async_op=async_op, label=label
+            )
         else:
             out = wire
             work = comm.all_reduce(wire, group=self.group, async_op=async_op, label=label)
@@ -199,6 +206,7 @@ class GradientReducer:
                 )
             for b_idx in range(self._next_launch, len(self.buckets)):
                 self._launch(b_idx)
+            self._reduced = not self.policy.partition_grads
         for pending in self._pending:
             self._complete(pending)
         self._reset_pass()
@@ -211,6 +219,7 @@ class GradientReducer:
         return self._accum[b_idx][self.buckets[b_idx].shard_slice(self.dp_rank)]
 
     def zero(self) -> None:
+        self._reduced = False
         for buf in self._accum:
             buf.zero_()
 

@@ -19,7 +19,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, outdir: str, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, outdir: str, args: tuple[Any, ...]
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -46,6 +48,10 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(
-            _entry, args=(fn, world, _free_port(), outdir, args), nprocs=world, join=True, start_method="spawn"
+            _entry,
+            args=(fn, world, _free_port(), outdir, args),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
         )
         return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -55,7 +55,9 @@ def reference_run(bf16: bool, clip: float = 0.0) -> dict[str, Any]:
     return {"losses": losses, "params": params}
 
 
-def engine_run(stage: int, bf16: bool, gas: int, clip: float = 0.0, bucket: int = 20_000) -> dict[str, Any]:
+def engine_run(
+    stage: int, bf16: bool, gas: int, clip: float = 0.0, bucket: int = 20_000
+) -> dict[str, Any]:
     """The same training through slipstream on the current world; returns rank-0's view."""
     import slipstream
 

@@ -35,23 +35,33 @@ def test_losses_and_parameters_match_single_process(world_results, references):
     """Every config: same loss trajectory and final parameters as the reference."""
     world, per_rank = world_results
     for cfg in CONFIGS:
-        stage, bf16, gas = cfg
+        bf16 = cfg[1]
         got, ref, tol = per_rank[0][cfg], references[bf16], TOL[bf16]
         assert got["steps"] == w.STEPS
         torch.testing.assert_close(
-            torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=tol["loss"], atol=0,
+            torch.tensor(got["losses"]),
+            torch.tensor(ref["losses"]),
+            rtol=tol["loss"],
+            atol=0,
             msg=lambda m, cfg=cfg: f"losses differ for world={world} (stage, bf16, gas)={cfg}: {m}",
         )
         if bf16:
             init = _flat(dict(w.make_model().named_parameters())).detach()
             ref_flat = _flat(ref["params"])
             rel = (_flat(got["params"]) - ref_flat).norm() / (ref_flat - init).norm()
-            assert rel <= tol["movement"], f"world={world} cfg={cfg}: params off by {rel:.3f} of movement"
+            assert rel <= tol["movement"], (
+                f"world={world} cfg={cfg}: params off by {rel:.3f} of movement"
+            )
             continue
         for name, ref_p in ref["params"].items():
             torch.testing.assert_close(
-                got["params"][name], ref_p, rtol=tol["rtol"], atol=tol["atol"],
-                msg=lambda m, cfg=cfg, name=name: f"{name} differs for world={world} cfg={cfg}: {m}",
+                got["params"][name],
+                ref_p,
+                rtol=tol["rtol"],
+                atol=tol["atol"],
+                msg=lambda m, cfg=cfg, name=name: (
+                    f"{name} differs for world={world} cfg={cfg}: {m}"
+                ),
             )
 
 
@@ -83,6 +93,8 @@ def test_gradient_clipping_matches_torch_clip_grad_norm():
     """Global-norm clipping across ranks equals torch.nn.utils.clip_grad_norm_ on one process."""
     got = run_world(_clip_run, 2)[0]
     ref = w.reference_run(bf16=False, clip=0.05)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0
+    )
     for name, p in ref["params"].items():
         torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=2e-5)

@@ -15,10 +15,21 @@ facts = {
     "argv": sys.argv,
     "local_rank_arg": args.local_rank,
     "extra": args.extra,
-    "env": {k: os.environ.get(k) for k in (
-        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
-        "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT",
-    )},
+    "env": {
+        k: os.environ.get(k)
+        for k in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_SIZE",
+            "CROSS_RANK",
+            "CROSS_SIZE",
+            "OMP_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    },
     "sys_path0": sys.path[0],
 }
 with open(os.path.join(args.out_dir, f"rank{os.environ['RANK']}.json"), "w") as fp:

@@ -1,0 +1,176 @@
+"""Rank-side checks for the engine tests, bundled so one spawned world runs them all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import slipstream
+from slipstream.models import GPT, GPTConfig
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny"))
+
+
+def _batch(rank: int, n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    t = torch.randint(0, 256, (n, 17), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def fp16_overflow() -> dict[str, Any]:
+    """Inject inf on rank 1 at step 2: both ranks skip the step and lower the scale."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+    }
+    engine, opt, _, _ = slipstream.initialize(model=_model(), config=config)
+    x, y = _batch(dist.get_rank())
+    out: dict[str, Any] = {
+        "dtype": str(next(engine.module.parameters()).dtype),
+        "scales": [],
+        "applied": [],
+    }
+    for step in range(3):
+        loss = engine(x, y)
+        if step == 1 and dist.get_rank() == 1:
+            loss = loss * float("inf")
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        engine.backward(loss)
+        engine.step()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
+        out["scales"].append(opt.loss_scale)
+        out["applied"].append((engine.was_step_applied(), changed))
+    out["skipped"] = engine.skipped_steps
+    out["global_steps"] = engine.global_steps
+    engine.destroy()
+    return out
+
+
+def api_and_errors() -> dict[str, Any]:
+    """Engine introspection, client optimizer/scheduler, and the clear errors."""
+    out: dict[str, Any] = {}
+    model = _model()
+    client = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+    engine, opt, _, lr_sched = slipstream.initialize(
+        model=model,
+        optimizer=client,
+        lr_scheduler=sched,
+        config={
+            "train_batch_size": 8,
+            "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": 2},
+        },
+    )
+    out["triple"] = (
+        engine.train_batch_size(),
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+    )
+    out["same_optimizer_object"] = opt.optimizer is client and lr_sched is sched
+    x, y = _batch(dist.get_rank())
+    boundaries, lrs = [], []
+    for _ in range(4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(x, y))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    out["boundaries"], out["lrs"] = boundaries, lrs
+    out["global_steps"], out["global_samples"] = engine.global_steps, engine.global_samples
+    out["grad_norm_positive"] = (engine.get_global_grad_norm() or 0) > 0
+    try:
+        with engine.no_sync():
+            pass
+    except RuntimeError as e:
+        out["no_sync_error"] = str(e)
+    engine.destroy()
+    # Stage 1 all-reduces on the boundary; a second backward before step() would be summed
+    # into already-reduced gradients, so it must be refused.
+    engine, _, _, _ = slipstream.initialize(
+        model=_model(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 1},
+        },
+    )
+    engine.backward(engine(x, y))
+    try:
+        engine.backward(engine(x, y))
+        out["double_backward_error"] = None
+    except RuntimeError as e:
+        out["double_backward_error"] = str(e)
+    engine.destroy()
+    return out
+
+
+def hf_llama() -> dict[str, Any]:
+    """An HF transformers model built from a config trains through the engine at ZeRO-2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(cfg)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+        "bf16": {"enabled": "auto"},
+    }
+    engine, _, _, _ = slipstream.initialize(model=model, config=config)
+    x, _ = _batch(dist.get_rank(), n=2)
+    losses = []
+    for _ in range(8):
+        out = engine(input_ids=x, labels=x)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss.detach()))
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    engine.destroy()
+    return {
+        "losses": losses,
+        "bucket": engine.config.zero_optimization.reduce_bucket_size,
+        "params": params,
+    }
+
+
+def diverged_models() -> str:
+    """Ranks that build different models get an error naming the ranks, not a hang."""
+    torch.manual_seed(0)
+    hidden = 64 if dist.get_rank() == 0 else 32
+    model = GPT(GPTConfig(hidden_size=hidden, num_layers=1, num_heads=4, max_seq_len=16))
+    try:
+        slipstream.initialize(
+            model=model,
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            },
+        )
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def all_checks() -> dict[str, Any]:
+    return {
+        "fp16": fp16_overflow(),
+        "api": api_and_errors(),
+        "hf": hf_llama(),
+        "diverged": diverged_models(),
+    }

@@ -1,0 +1,56 @@
+"""Engine behaviour at 2 gloo ranks: fp16 overflow, API, client optimizer, HF model, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_world
+from tests.runtime import _workloads as w
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_world(w.all_checks, 2)
+
+
+def test_fp16_overflow_skips_step_and_lowers_scale(results):
+    """An inf on one rank skips the step on every rank, leaves weights alone, halves the scale."""
+    for r in results:
+        fp16 = r["fp16"]
+        assert fp16["dtype"] == "torch.float16"
+        assert fp16["applied"] == [(True, True), (False, False), (True, True)]
+        assert fp16["scales"] == [256.0, 128.0, 128.0]
+        assert fp16["skipped"] == 1 and fp16["global_steps"] == 3
+
+
+def test_engine_api_with_client_optimizer_and_scheduler(results):
+    """Batch triple, accumulation boundaries, counters, client optimizer kept and stepped."""
+    api = results[0]["api"]
+    assert api["triple"] == (8, 2, 2)
+    assert api["same_optimizer_object"]
+    assert api["boundaries"] == [False, True, False, True]
+    assert api["lrs"] == pytest.approx([0.1, 0.05, 0.05, 0.025])
+    assert api["global_steps"] == 2 and api["global_samples"] == 16
+    assert api["grad_norm_positive"]
+    assert "no_sync() is incompatible with ZeRO stage 2" in api["no_sync_error"]
+    assert "already reduced" in api["double_backward_error"]
+    assert "once per micro-step" in api["double_backward_error"]
+
+
+def test_hf_transformers_model_trains_with_auto_values(results):
+    """LlamaForCausalLM from a config trains at ZeRO-2 with "auto" lr and bucket size."""
+    for r in results:
+        hf = r["hf"]
+        assert hf["bucket"] == 64 * 64
+        assert hf["losses"][-1] < hf["losses"][0] - 0.5
+    for a, b in zip(results[0]["hf"]["params"], results[1]["hf"]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_diverged_models_raise_instead_of_hanging(results):
+    for r in results:
+        assert "differs between ranks" in r["diverged"]
+        assert "ranks [0]" in r["diverged"] and "ranks [1]" in r["diverged"]
