@@ -1,4 +1,4 @@
-"""Per-rank entry point: ``python -m slipstream.cli._rank_entry [opts] TARGET ARGS...``.
+"""Per-rank entry point: ``python -u .../slipstream/cli/_rank_entry.py [opts] TARGET ARGS...``.
 
 torchrun starts every worker with the same argv and sets ``LOCAL_RANK`` in the environment,
 but DeepSpeed scripts parse ``--local_rank`` from argv. This module runs inside each worker,
@@ -9,8 +9,11 @@ Options (before TARGET): ``--module`` (TARGET is a module, run like ``python -m`
 ``--no_local_rank`` (do not add ``--local_rank``).
 
 An uncaught exception is also written to ``TORCHELASTIC_ERROR_FILE`` in torchelastic's
-format, so the launcher can point at the failing rank's traceback. This module imports
-nothing heavy: the user script decides what to import first.
+format, so the launcher can point at the failing rank's traceback.
+
+It is run by file path, not ``-m``, and imports only the standard library: ``-m`` would
+import the ``slipstream`` package (and torch) before the user script, so the script could no
+longer decide what is imported first (e.g. set environment variables before torch loads).
 """
 
 from __future__ import annotations
@@ -77,13 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     _set_deepspeed_env()
     try:
+        sys.argv = [target, *args]
         if "--module" in opts:
-            sys.argv = [target, *args]
+            sys.path[0] = os.getcwd()  # as `python -m`: the cwd comes first
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *args]
-            # `python script.py` puts the script's directory first on sys.path, not the cwd.
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py`
             runpy.run_path(target, run_name="__main__")
     except Exception as exc:
         _record_exception(exc)

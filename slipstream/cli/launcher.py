@@ -1,7 +1,7 @@
 """``slipstream run``: the DeepSpeed-compatible launcher, on torchrun's elastic agent.
 
 One node: ``elastic_launch`` (torchrun's API) starts ``--nproc`` workers, each running
-:mod:`slipstream.cli._rank_entry`, which adds ``--local_rank=N`` to the user script's argv.
+``slipstream/cli/_rank_entry.py``, which adds ``--local_rank=N`` to the user script's argv.
 Many nodes (a hostfile with remote hosts): :mod:`slipstream.cli._multinode` starts
 ``slipstream run --no_ssh --node_rank i`` on every host over ssh or pdsh.
 
@@ -44,6 +44,7 @@ __all__ = ["DEFAULT_HOSTFILE", "LocalPlan", "add_parser", "launch_local", "run_c
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
 _STATIC_RUN_ID = "slipstream"  # static rendezvous: every node must use the same id
+_RANK_ENTRY = str(Path(__file__).with_name("_rank_entry.py"))  # by path: see its docstring
 
 
 def add_parser(subparsers: Any) -> None:
@@ -186,7 +187,7 @@ def _entry(args: argparse.Namespace) -> tuple[str, list[str]]:
         return args.script, [*local_rank, *args.script_args]
     opts = [flag for flag, on in (("--module", args.module), ("--no_local_rank",
             args.no_local_rank)) if on]  # fmt: skip
-    entry = ["-u", "-m", "slipstream.cli._rank_entry", *opts, args.script, *args.script_args]
+    entry = ["-u", _RANK_ENTRY, *opts, args.script, *args.script_args]
     return sys.executable, entry
 
 

@@ -102,7 +102,7 @@ def test_hostfile_rejects_zero_slots_duplicates_and_empty(text, message):
 
 
 def test_missing_hostfile_is_a_clear_error(tmp_path):
-    with pytest.raises(LaunchError, match="cannot read hostfile .*nope"):
+    with pytest.raises(LaunchError, match=r"cannot read hostfile .*nope"):
         parse_hostfile(tmp_path / "nope")
 
 
@@ -349,32 +349,23 @@ def fake_ssh(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_nodes_over_ssh_get_global_ranks_and_exports(tmp_path, fake_ssh):
+def test_two_nodes_over_ssh_ranks_exports_and_failure_exit_code(tmp_path, fake_ssh):
+    """Both nodes start with global ranks and the exported env; rank 1 (node-b) exits 7, so
+    `slipstream run` returns 7 and node-a's rank is stopped."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    out = tmp_path / "out"
-    out.mkdir()
     port = str(free_port())
     args = ["-H", str(hostfile), "--master_addr", "127.0.0.1", "--master_port", port]
-    result = slipstream("run", *args, WRITE_ENV, str(out), env=fake_ssh)
-    assert result.returncode == 0, result.stdout + result.stderr
-    ranks = read_ranks(out)
+    result = slipstream("run", *args, FAIL_RANK1, str(tmp_path), "exit", env=fake_ssh)
+    assert result.returncode == 7, result.stdout + result.stderr
+    ranks = read_ranks(tmp_path)
     assert sorted(ranks) == [0, 1]
     for rank, facts in ranks.items():
         env = facts["env"]
         assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), "0", "2")
         assert (env["CROSS_RANK"], env["CROSS_SIZE"]) == (str(rank), "2")
-        assert env["MASTER_PORT"] == port
+        assert (env["MASTER_PORT"], env["SLIPSTREAM_TEST_MARK"]) == (port, "m")
         assert facts["local_rank_arg"] == 0
-
-
-@pytest.mark.slow
-def test_two_nodes_failure_returns_rank_exit_code_and_stops_other_node(tmp_path, fake_ssh):
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    args = ["-H", str(hostfile), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    result = slipstream("run", *args, FAIL_RANK1, str(tmp_path), "exit", env=fake_ssh)
-    assert result.returncode == 7, result.stdout + result.stderr
     assert "[node-b] slipstream run: rank 1 (local rank 0" in result.stdout
     assert "slipstream run: node node-b failed (exit code 7;" in result.stderr
     rank0 = int((tmp_path / "rank0.pid").read_text())

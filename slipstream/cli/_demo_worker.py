@@ -1,0 +1,135 @@
+"""One rank of ``slipstream demo``: ordinary DeepSpeed-style training code."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import slipstream
+from slipstream.cli.demo import add_worker_arguments
+from slipstream.data import ByteTokenizer, TokenDataset, encode_corpus, load_corpus, split_train_val
+from slipstream.models import GPT, GPTConfig
+
+
+def _config(args: argparse.Namespace, bf16: bool) -> dict[str, object]:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": args.steps,
+                "warmup_num_steps": max(1, args.steps // 10),
+                "warmup_type": "linear",
+            },
+        },
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.zero_stage, "overlap_comm": True},
+        "bf16": {"enabled": bf16},
+        "seed": args.seed,
+    }
+
+
+@torch.no_grad()
+def _evaluate(engine: slipstream.Engine, data: TokenDataset, batches: int, batch: int) -> float:
+    """Mean validation loss over the same ``batches`` batches on every rank, averaged over ranks."""
+    engine.eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.zeros((), device=engine.device)
+    for b in range(batches):
+        idx = [(b * world + rank) * batch + i for i in range(batch)]
+        x = torch.stack([data[i % len(data)][0] for i in idx]).to(engine.device)
+        y = torch.stack([data[i % len(data)][1] for i in idx]).to(engine.device)
+        total += engine(x, y).float()
+    dist.all_reduce(total)
+    engine.train()
+    return float(total) / (batches * world)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    args = parser.parse_args()
+    slipstream.init_distributed()
+    torch.manual_seed(args.seed)
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available())
+    rank = dist.get_rank()
+
+    tokenizer = ByteTokenizer()
+    tokens = encode_corpus(load_corpus(), dtype=torch.uint8)
+    train_tokens, val_tokens = split_train_val(tokens, 0.05)
+    train, val = TokenDataset(train_tokens, args.seq_len), TokenDataset(val_tokens, args.seq_len)
+    model = GPT(GPTConfig.preset(args.preset, max_seq_len=max(args.seq_len, 64)))
+    engine, _, loader, _ = slipstream.initialize(
+        model=model, training_data=train, config=_config(args, bf16)
+    )
+    if rank == 0:
+        print(
+            f"slipstream demo: GPT-{args.preset} {model.num_params() / 1e6:.2f}M params, "
+            f"{len(tokens) / 1e6:.2f}M-byte corpus, world {dist.get_world_size()}, ZeRO-{args.zero_stage}, "
+            f"{'bf16' if bf16 else 'fp32'}, global batch {engine.train_batch_size()} x {args.seq_len} tokens",
+            flush=True,
+        )
+    val_before = _evaluate(engine, val, 4, args.micro_batch)
+    tokens_per_step = engine.train_batch_size() * args.seq_len
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc="training", unit="step", dynamic_ncols=True)
+    step_times: list[float] = []
+    epoch, it = 0, iter(loader)
+    start = time.perf_counter()
+    while engine.global_steps < args.steps:
+        try:
+            x, y = next(it)
+        except StopIteration:
+            epoch += 1
+            loader.sampler.set_epoch(epoch)
+            it = iter(loader)
+            continue
+        t0 = time.perf_counter()
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        if engine.is_gradient_accumulation_boundary() or args.grad_accum == 1:
+            step_times.append(time.perf_counter() - t0)
+        if bar is not None and engine.micro_steps % args.grad_accum == 0:
+            median = sorted(step_times)[len(step_times) // 2] if step_times else math.nan
+            bar.set_postfix(
+                loss=f"{float(loss.detach()):.3f}", tok_s=f"{tokens_per_step / median:,.0f}"
+            )
+            bar.update(1)
+    elapsed = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    val_after = _evaluate(engine, val, 4, args.micro_batch)
+    if rank == 0:
+        print(
+            f"validation loss {val_before:.3f} -> {val_after:.3f} (nats/byte; drop {val_before - val_after:.3f}); "
+            f"{engine.global_steps} steps in {elapsed:.1f}s, "
+            f"{engine.global_steps * tokens_per_step / elapsed:,.0f} tokens/s over {dist.get_world_size()} ranks",
+            flush=True,
+        )
+        prompt = "def "
+        ids = torch.tensor([tokenizer.encode(prompt)], device=engine.device)
+        gen = torch.Generator(device=engine.device).manual_seed(args.seed)
+        engine.eval()
+        out = engine.module.generate(
+            ids, args.sample_tokens, temperature=0.8, top_k=40, generator=gen
+        )
+        print("sample:\n" + tokenizer.decode(out[0].tolist()), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
