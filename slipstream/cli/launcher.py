@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shlex
 import shutil
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -250,8 +252,6 @@ def _launch_multinode(args: argparse.Namespace, resources: ResourceMap) -> int:
         node_flags += ["--enable_each_rank_log", args.enable_each_rank_log]
     master_addr = args.master_addr
     if not master_addr and is_local_host(next(iter(resources))):
-        import socket
-
         master_addr = socket.gethostname()  # "localhost" would mean each node itself
     spec = NodeLaunchSpec(
         script=args.script, script_args=list(args.script_args), master_addr=master_addr,
@@ -270,9 +270,10 @@ def _launch_multinode(args: argparse.Namespace, resources: ResourceMap) -> int:
 
 
 def _split(text: str) -> list[str]:
-    import shlex
-
-    return shlex.split(text)
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise LaunchError(f"--launcher_args {text!r}: {err}") from None
 
 
 def _say(msg: str) -> None:

@@ -33,6 +33,18 @@ _TOP_ALIASES = {"bfloat16": "bf16"}
 _ZERO_ALIASES = {
     "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"
 }
+# DeepSpeed accepts the stage-3 keys with and without their "stage3_" prefix.
+_ZERO_SHORT_NAMES = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+)
 
 
 @dataclass
@@ -42,22 +54,27 @@ class AutoContext:
     Attributes:
         hidden_size: the model's hidden size (``model.config.hidden_size``), for bucket sizes.
         model_dtype: dtype of the model's floating-point parameters, for ``fp16/bf16.enabled``.
-        optimizer_defaults: maps an optimizer type name to its default hyperparameters.
+        optimizer_defaults: maps an optimizer type name and its explicit params to the
+            hyperparameters it would use by default.
         client_hparams: hyperparameters of a client optimizer's first param group, if any.
     """
 
     hidden_size: int | None = None
     model_dtype: Any = None
-    optimizer_defaults: Callable[[str], dict[str, Any]] | None = None
+    optimizer_defaults: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
     client_hparams: dict[str, Any] = field(default_factory=dict)
     resolved: dict[str, Any] = field(default_factory=dict)
+
+
+class _DuplicateKeyError(ConfigError):
+    pass
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ConfigError(f"duplicate key '{key}' in config file: keep one of them")
+            raise _DuplicateKeyError(f"duplicate key '{key}' in config file: keep one of them")
         out[key] = value
     return out
 
@@ -73,27 +90,39 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
         return copy.deepcopy(dict(config))
     path = Path(config)
     if path.is_file():
-        text = path.read_text()
-        try:
-            return json.loads(text, object_pairs_hook=_reject_duplicates)
-        except json.JSONDecodeError:
-            pass
-        import hjson
-
-        try:
-            return dict(hjson.loads(text, object_pairs_hook=_reject_duplicates))
-        except hjson.HjsonDecodeError as exc:
-            raise ConfigError(
-                f"config file '{path}' is neither valid JSON nor HJSON: {exc}"
-            ) from None
+        return _parse_text(path.read_text(), f"config file '{path}'")
+    text = str(config)
+    not_found = ConfigError(
+        f"config '{text}' is not an existing file and not base64-encoded JSON: "
+        "pass a dict, a path to a JSON/HJSON file, or a SlipstreamConfig"
+    )
+    if text.endswith((".json", ".hjson")) or os.sep in text:
+        raise ConfigError(f"config file '{text}' does not exist")
     try:
-        decoded = base64.b64decode(str(config), validate=True).decode()
-        return json.loads(decoded, object_pairs_hook=_reject_duplicates)
-    except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError, ValueError):
+        decoded = base64.urlsafe_b64decode(text.encode()).decode()
+        return _parse_text(decoded, "base64 config")
+    except _DuplicateKeyError:
+        raise
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise not_found from None
+
+
+def _parse_text(text: str, source: str) -> dict[str, Any]:
+    """JSON, else HJSON (DeepSpeed accepts both); the top level must be an object."""
+    import hjson
+
+    try:
+        data: Any = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except json.JSONDecodeError:
+        try:
+            data = hjson.loads(text, object_pairs_hook=_reject_duplicates)
+        except hjson.HjsonDecodeError as exc:
+            raise ConfigError(f"{source} is neither valid JSON nor HJSON: {exc}") from None
+    if not isinstance(data, dict):
         raise ConfigError(
-            f"config '{config}' is not an existing file and not base64-encoded JSON: "
-            "pass a dict, a path to a JSON/HJSON file, or a SlipstreamConfig"
-        ) from None
+            f"{source} must hold a JSON object ({{...}}) at the top level, got {type(data).__name__}"
+        )
+    return dict(data)
 
 
 def _apply_aliases(raw: dict[str, Any]) -> None:
@@ -113,6 +142,9 @@ def _apply_aliases(raw: dict[str, Any]) -> None:
         return
     if not isinstance(zero, dict):
         return
+    for short in _ZERO_SHORT_NAMES:
+        if short in zero:
+            zero.setdefault(f"stage3_{short}", zero.pop(short))
     for old, new in _ZERO_ALIASES.items():
         if old in zero:
             _warn_alias(f"zero_optimization.{old}", f"zero_optimization.{new}")
@@ -145,10 +177,13 @@ def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
         if key not in raw:
             continue
         value = raw[key]
+        # Blocks whose DeepSpeed default is "enabled": false are off unless enabled is set;
+        # blocks without an enabled switch are on as soon as they hold any option.
+        default_on = key in _BLOCKS_WITHOUT_ENABLED
         disabled = (
             value is None
             or value is False
-            or (isinstance(value, dict) and not value.get("enabled", bool(value)))
+            or (isinstance(value, dict) and not value.get("enabled", default_on and bool(value)))
             or (key in ("sequence_parallel_size", "data_parallel_size") and value in (1, AUTO))
         )
         if not disabled:
@@ -157,6 +192,11 @@ def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
                 f"Remove '{key}' (or set its 'enabled' to false)"
             )
         del raw[key]
+
+
+_BLOCKS_WITHOUT_ENABLED = frozenset(
+    {"activation_checkpointing", "checkpoint", "aio", "compile", "pipeline", "tensor_parallel", "timers"}
+)
 
 
 def _is_auto(value: Any) -> bool:
@@ -210,7 +250,8 @@ def _resolve_optimizer_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
     autos = [k for k, v in params.items() if _is_auto(v)]
     if not autos:
         return
-    defaults = ctx.optimizer_defaults(str(opt.get("type", ""))) if ctx.optimizer_defaults else {}
+    fixed = {k: v for k, v in params.items() if not _is_auto(v)}
+    defaults = ctx.optimizer_defaults(str(opt.get("type", "")), fixed) if ctx.optimizer_defaults else {}
     for key in autos:
         if key in ctx.client_hparams:
             params[key] = ctx.client_hparams[key]
@@ -270,6 +311,11 @@ def resolve_batch_sizes(
         ConfigError: naming all three values, the data-parallel size and a fix.
     """
     tbs, mb, gas, dp = train_batch_size, micro_batch, grad_accum, dp_world_size
+    if dp < 1:
+        raise ConfigError(f"data-parallel world size must be >= 1, got {dp}")
+    for key, value in zip(_BATCH_KEYS, (tbs, mb, gas)):
+        if value is not None and value < 1:
+            raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
     shown = (
         f"train_batch_size={tbs}, train_micro_batch_size_per_gpu={mb}, "
         f"gradient_accumulation_steps={gas}, data-parallel world size={dp}"

@@ -265,9 +265,13 @@ def test_bad_hostfile_and_filters_exit_2(tmp_path, capsys):
     )
 
 
-def test_demo_subcommand_without_module_explains(capsys):
-    if (REPO / "slipstream" / "cli" / "demo.py").exists():
-        pytest.skip("slipstream.cli.demo exists")
+def test_demo_subcommand_without_its_module_explains(monkeypatch, capsys):
+    import slipstream.cli.main as cli_main
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(cli_main.importlib, "import_module", missing)
     assert main(["demo"]) == 2
     assert "no demo module (slipstream.cli.demo)" in capsys.readouterr().err
 
