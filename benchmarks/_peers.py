@@ -134,10 +134,16 @@ def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _engine_config(cfg: BenchConfig, stage: int, optimizer_params: dict[str, Any]) -> dict:
-    """The DeepSpeed JSON config both DeepSpeed and slipstream are given."""
+    """The DeepSpeed JSON config both DeepSpeed and slipstream are given.
+
+    ``gradient_clipping`` is pinned to 0 because DeepSpeed 0.19.8 defaults it to 1.0 (0.18.0
+    and earlier default to 0) while the torch-native peers do not clip; clipping would change the losses (no parity check)
+    and add a norm all-reduce to the step.
+    """
     return {
         "train_micro_batch_size_per_gpu": cfg.batch,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": _LR, "weight_decay": _WEIGHT_DECAY, **optimizer_params},

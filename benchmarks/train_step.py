@@ -23,13 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks._harness import BenchConfig, FrameworkResult, run_framework  # noqa: E402
-from benchmarks._peers import PEERS, reference_for  # noqa: E402
-from slipstream.models import GPT, GPTConfig  # noqa: E402
+from benchmarks._harness import BenchConfig, FrameworkResult, run_framework
+from benchmarks._peers import PEERS, reference_for
+from slipstream.models import GPT, GPTConfig
 
-__all__ = ["build_gpt", "format_table", "main", "run"]
+__all__ = ["build_gpt", "format_table", "gpt_config", "main", "run"]
 
 DEFAULT_FRAMEWORKS = (
     "ddp,fsdp2,fsdp2-noreshard,deepspeed-z0,deepspeed-z1,deepspeed-z2,"

@@ -1,0 +1,26 @@
+"""`slipstream demo` trains on 2 launched processes, reports a loss drop and samples text."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_tiny_runs_end_to_end():
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream.cli.main", "demo", "--preset", "tiny", "--steps", "30",
+         "--seq-len", "64", "--sample-tokens", "20", "--nproc", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "world 2, ZeRO-2" in out
+    match = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out)
+    assert match, out[-2000:]
+    before, after = float(match.group(1)), float(match.group(2))
+    assert after < before - 0.5, (before, after)
+    assert "sample:\ndef " in out
