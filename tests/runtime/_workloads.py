@@ -167,8 +167,43 @@ def diverged_models() -> str:
     return "no error"
 
 
+def logging_and_comm_counters() -> dict[str, Any]:
+    """steps_per_print / wall_clock_breakdown / comms_logger log; bytes are counted per axis."""
+    import logging
+
+    from slipstream.distributed import comm
+
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Capture()
+    logging.getLogger("slipstream").addHandler(handler)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 1,
+        "wall_clock_breakdown": True,
+        "comms_logger": {"enabled": True},
+    }
+    engine, opt, _, _ = slipstream.initialize(model=_model(), config=config)
+    comm.comm_counters.reset()
+    x, y = _batch(dist.get_rank())
+    engine.backward(engine(x, y))
+    engine.step()
+    summary = comm.log_summary()
+    logging.getLogger("slipstream").removeHandler(handler)
+    numel = sum(b.numel for b in opt.buckets)
+    engine.destroy()
+    return {"records": records, "summary": summary, "bucket_bytes": numel * 4}
+
+
 def all_checks() -> dict[str, Any]:
     return {
+        "logs": logging_and_comm_counters(),
         "fp16": fp16_overflow(),
         "api": api_and_errors(),
         "hf": hf_llama(),

@@ -54,3 +54,17 @@ def test_diverged_models_raise_instead_of_hanging(results):
     for r in results:
         assert "differs between ranks" in r["diverged"]
         assert "ranks [0]" in r["diverged"] and "ranks [1]" in r["diverged"]
+
+
+def test_step_logging_and_comm_bytes_per_axis(results):
+    """Rank 0 logs loss/lr/times/comm summary; ZeRO-2 traffic is counted on the dp axis."""
+    logs = results[0]["logs"]
+    text = "\n".join(logs["records"])
+    assert "step=1 loss=" in text and "lr=[0.001]" in text
+    assert "forward=" in text and "backward=" in text and "step=" in text
+    assert "communication summary" in text
+    dp = logs["summary"]["dp"]
+    # One reduce-scatter of every gradient bucket (fp32) and one all-gather of the parameters.
+    assert dp["reduce_scatter"]["bytes"] == logs["bucket_bytes"]
+    assert dp["all_gather"]["bytes"] == logs["bucket_bytes"]
+    assert dp["all_reduce"]["calls"] == 1  # the global gradient norm
