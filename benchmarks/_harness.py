@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.multiprocessing.spawn import ProcessException
 
 __all__ = [
     "BenchConfig",
@@ -211,6 +212,7 @@ def run_framework(
     port = _free_port()
     args = (name, framework, cfg, model_factory, str(out_dir), port)
     threads = max(1, _cpu_count() // cfg.world)
+    ctx = None
     try:
         with _env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
             ctx = mp.start_processes(
@@ -218,8 +220,10 @@ def run_framework(
             )
         failure = _join(ctx, cfg.timeout_s)
         ranks, errors = _collect(out_dir, cfg.world)
-    except Exception as exc:  # spawning itself failed
+    except Exception as exc:  # spawning or collecting failed: a harness bug, not the peer's
         return FrameworkResult(name, error=_first_line(exc), detail=traceback.format_exc())
+    finally:
+        _kill(ctx)
     if failure is None and not errors and len(ranks) == cfg.world:
         shutil.rmtree(out_dir, ignore_errors=True)
         return FrameworkResult(name, ranks=ranks)
@@ -457,15 +461,21 @@ def _join(ctx: mp.ProcessContext, timeout_s: float) -> str | None:
     try:
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    if proc.is_alive():
-                        proc.kill()
-                for proc in ctx.processes:
-                    proc.join()
                 return f"timed out after {timeout_s:.0f} s (killed)"
-    except mp.ProcessException as exc:
+    except ProcessException as exc:  # a rank failed; join() has terminated the others
         return _first_line(exc)
     return None
+
+
+def _kill(ctx: mp.ProcessContext | None) -> None:
+    """Kill the ranks of ``ctx`` that are still alive (after a timeout or a harness error)."""
+    if ctx is None:
+        return
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.kill()
+    for proc in ctx.processes:
+        proc.join()
 
 
 def _collect(out_dir: Path, world: int) -> tuple[list[RankResult], list[tuple[str, str]]]:

@@ -195,7 +195,15 @@ def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
 
 
 _BLOCKS_WITHOUT_ENABLED = frozenset(
-    {"activation_checkpointing", "checkpoint", "aio", "compile", "pipeline", "tensor_parallel", "timers"}
+    {
+        "activation_checkpointing",
+        "checkpoint",
+        "aio",
+        "compile",
+        "pipeline",
+        "tensor_parallel",
+        "timers",
+    }
 )
 
 
@@ -251,7 +259,9 @@ def _resolve_optimizer_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
     if not autos:
         return
     fixed = {k: v for k, v in params.items() if not _is_auto(v)}
-    defaults = ctx.optimizer_defaults(str(opt.get("type", "")), fixed) if ctx.optimizer_defaults else {}
+    defaults = (
+        ctx.optimizer_defaults(str(opt.get("type", "")), fixed) if ctx.optimizer_defaults else {}
+    )
     for key in autos:
         if key in ctx.client_hparams:
             params[key] = ctx.client_hparams[key]

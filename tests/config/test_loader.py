@@ -127,7 +127,9 @@ def test_slipstream_config_object_input() -> None:
 
 def test_nonexistent_path_error() -> None:
     """A path that does not exist says so; a string that is neither lists the input forms."""
-    _error("/no/such/dir/ds_config.json", "config file '/no/such/dir/ds_config.json' does not exist")
+    _error(
+        "/no/such/dir/ds_config.json", "config file '/no/such/dir/ds_config.json' does not exist"
+    )
     _error(
         "not a config",
         "config 'not a config' is not an existing file and not base64-encoded JSON",
