@@ -78,7 +78,8 @@ def format_table(results: Sequence[FrameworkResult]) -> str:
     lines = [header, "-" * len(header)]
     for r in results:
         if not r.ok:
-            lines.append(f"{r.name:<16} {r.error}")
+            error = r.error or "failed"
+            lines.append(f"{r.name:<16} {error[:160]}{'...' if len(error) > 160 else ''}")
             continue
         ref_name = reference_for(r.name)
         ref = by_name.get(ref_name) if ref_name else None
