@@ -110,6 +110,7 @@ def shard_zero_(
         loss_scaler=step.loss_scaler,
         clip=step.clip,
         check_overflow=step.check_overflow,
+        sub_group_size=cfg.sub_group_size,
     )
 
 

@@ -5,6 +5,10 @@ bucket (stage 0), in the master dtype. When the master dtype equals the paramete
 master *is* that slice of the flat parameter storage (no copy). The wrapped torch optimizer
 updates the master tensors, so its states have the same size as the masters: 1/dp of the
 model at stages 1/2 (ZeRO-1, Rajbhandari et al. 2020, section 5.1).
+
+The optimizer sees each master as views of at most ``min(sub_group_size, OPTIMIZER_CHUNK)``
+elements (DeepSpeed's ``sub_group_size``): per-tensor temporaries of the optimizer math stay
+small, which on CPU avoids a fresh mmap (and its page faults) for every temporary.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from slipstream.runtime.precision import LossScaler
 from slipstream.zero.flat import Bucket
 from slipstream.zero.reducer import GradientReducer
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["OPTIMIZER_CHUNK", "ZeroOptimizer"]
+
+OPTIMIZER_CHUNK = 1 << 22
 
 
 class ZeroOptimizer:
@@ -52,6 +58,7 @@ class ZeroOptimizer:
         loss_scaler: LossScaler,
         clip: float = 0.0,
         check_overflow: bool = False,
+        sub_group_size: int = OPTIMIZER_CHUNK,
     ) -> None:
         self.buckets = list(buckets)
         self.reducer = reducer
@@ -63,9 +70,15 @@ class ZeroOptimizer:
         self.clip = clip
         self.check_overflow = check_overflow or loss_scaler.enabled
         self.masters = [self._make_master(b, master_dtype) for b in self.buckets]
+        chunk = max(1, min(sub_group_size, OPTIMIZER_CHUNK))
+        self._chunks = [
+            [slice(i, min(i + chunk, m.numel())) for i in range(0, m.numel(), chunk)]
+            for m in self.masters
+        ]
+        self._views = [[m[c] for c in cs] for m, cs in zip(self.masters, self._chunks)]
         groups: list[dict[str, Any]] = [dict(h, params=[]) for h in group_hparams]
-        for b, m in zip(self.buckets, self.masters):
-            groups[b.group_index]["params"].append(m)
+        for b, views in zip(self.buckets, self._views):
+            groups[b.group_index]["params"].extend(views)
         self.optimizer = make_optimizer(groups)
         self.global_grad_norm: float | None = None
         self.overflow = False
@@ -137,13 +150,16 @@ class ZeroOptimizer:
         coef = inv_scale
         if self.clip > 0 and norm > self.clip:
             coef *= self.clip / (norm + 1e-6)
-        for master, grad in zip(self.masters, grads):
+        for views, chunks, grad in zip(self._views, self._chunks, grads):
             if coef != 1.0:
                 grad.mul_(coef)
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            for view, c in zip(views, chunks):
+                g = grad[c]
+                view.grad = g if g.dtype == view.dtype else g.to(view.dtype)
         self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
+        for views in self._views:
+            for view in views:
+                view.grad = None
         self._publish()
         self.reducer.zero()
         return True
@@ -151,7 +167,7 @@ class ZeroOptimizer:
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
         for g in grads:
-            sq += g.float().pow(2).sum()
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if self.partition:
             comm.all_reduce(sq, group=self.group, label="grad_norm")
         return float(sq.sqrt())
@@ -166,11 +182,12 @@ class ZeroOptimizer:
             if master.data_ptr() != region.data_ptr():
                 region.copy_(master)
             if self.partition:
-                shard = region if region.is_cuda else region.clone()
+                # In place (NCCL and gloo support it): this rank's shard is already at its
+                # slot of the output, so no staging copy is made.
                 works.append(
                     comm.all_gather_into_tensor(
                         bucket.flat,
-                        shard,
+                        region,
                         group=self.group,
                         async_op=True,
                         label=f"param_bucket{bucket.index}",

@@ -13,6 +13,12 @@ backward continues:
 
 Buckets are launched strictly in index order on every rank, so ranks issue identical
 collective sequences even when parameters are unused or gradients arrive in another order.
+
+No buffer is zero-filled per step: the first gradient written into a region is copied, later
+ones added, and regions nobody wrote are zeroed just before they are used. Stage-2 staging
+buffers come from a small pool (at most ``MAX_IN_FLIGHT`` buckets reduce at once), so
+steady-state training allocates nothing large — on CPU, large fresh allocations are served by
+mmap and cost a page fault per 4 KiB.
 """
 
 from __future__ import annotations
@@ -51,12 +57,16 @@ class ReducePolicy:
     ignore_unused: bool = True
 
 
+MAX_IN_FLIGHT = 2
+
+
 @dataclass
 class _Pending:
     bucket: Bucket
     work: object
     wire: torch.Tensor
     out: torch.Tensor
+    fresh: bool
 
 
 class GradientReducer:
@@ -80,15 +90,19 @@ class GradientReducer:
         self.policy = policy
         self.shard_grads = shard_grads  # optimizer sees a shard (stage 1/2), not the bucket
         self.sync = True  # set by the engine: is this backward an accumulation boundary?
-        dev = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
-        accum = policy.accum_dtype
-        if policy.partition_grads:
-            self._accum = [
-                torch.zeros(b.shard_numel, dtype=accum, device=dev) for b in self.buckets
-            ]
-            self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)
-        else:
-            self._accum = [torch.zeros(b.numel, dtype=accum, device=dev) for b in self.buckets]
+        self._device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        size = (lambda b: b.shard_numel) if policy.partition_grads else (lambda b: b.numel)
+        self._accum = [self._empty(size(b)) for b in self.buckets]
+        for buf in self._accum:
+            buf.zero_()
+        # Stage 0/1: parameter indices written into _accum since zero(). Stage 2: which
+        # shard accumulators hold nothing yet this cycle (the next reduction overwrites).
+        self._accum_written: list[set[int]] = [set() for _ in self.buckets]
+        self._accum_fresh = [True] * len(self.buckets)
+        self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._staging_written: list[set[int]] = [set() for _ in self.buckets]
+        self._pool: list[torch.Tensor] = []
+        self._pool_numel = max((b.numel for b in self.buckets), default=0)
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -96,6 +110,9 @@ class GradientReducer:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
         self._reduced = False  # stage 0/1: buffers already all-reduced since the last zero()
         self._reset_pass()
+
+    def _empty(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.policy.accum_dtype, device=self._device)
 
     # ----------------------------------------------------------------- backward pass
     def _reset_pass(self) -> None:
@@ -121,8 +138,13 @@ class GradientReducer:
                 "already reduced in this step: call engine.backward() once per micro-step "
                 "and engine.step() after each (sum the losses first if you have several)"
             )
-        grad = param.grad.reshape(-1)
-        bucket.grad_view(self._buffer(b_idx), i).add_(grad)
+        buf, written = self._target(b_idx)
+        view = bucket.grad_view(buf, i)
+        if i in written:
+            view.add_(param.grad.reshape(-1))
+        else:
+            view.copy_(param.grad.reshape(-1))
+            written.add(i)
         param.grad = None
         if param not in self._seen:
             self._seen.add(param)
@@ -134,17 +156,33 @@ class GradientReducer:
     def _communicating(self) -> bool:
         return self.dp_size > 1 and (self.sync or self.policy.partition_grads)
 
-    def _buffer(self, b_idx: int) -> torch.Tensor:
+    def _target(self, b_idx: int) -> tuple[torch.Tensor, set[int]]:
+        """The buffer this pass writes bucket ``b_idx``'s gradients into."""
         if not self.policy.partition_grads:
-            return self._accum[b_idx]
+            return self._accum[b_idx], self._accum_written[b_idx]
         staging = self._staging[b_idx]
         if staging is None:
-            bucket = self.buckets[b_idx]
-            staging = torch.zeros(
-                bucket.numel, dtype=self.policy.accum_dtype, device=bucket.flat.device
-            )
+            staging = self._take(self.buckets[b_idx].numel)
             self._staging[b_idx] = staging
-        return staging
+            self._staging_written[b_idx] = set()
+        return staging, self._staging_written[b_idx]
+
+    def _take(self, numel: int) -> torch.Tensor:
+        base = self._pool.pop() if self._pool else self._empty(self._pool_numel)
+        return base[:numel]
+
+    def _give(self, t: torch.Tensor) -> None:
+        self._pool.append(t if t._base is None else t._base)
+
+    def _fill_unwritten(self, bucket: Bucket, buf: torch.Tensor, written: set[int]) -> None:
+        """Zero the regions of ``buf`` no gradient was written to (and the padding)."""
+        for i in range(len(bucket.params)):
+            if i not in written:
+                bucket.grad_view(buf, i).zero_()
+                written.add(i)
+        end = bucket.offsets[-1] + bucket.params[-1].numel()
+        if end < bucket.numel:
+            buf[end:].zero_()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._missing[self._next_launch] == 0:
@@ -154,22 +192,28 @@ class GradientReducer:
     def _launch(self, b_idx: int) -> None:
         bucket = self.buckets[b_idx]
         self._launched[b_idx] = True
-        buf = self._buffer(b_idx)
+        buf, written = self._target(b_idx)
+        self._fill_unwritten(bucket, buf, written)
         wire = buf if buf.dtype == self.policy.reduce_dtype else buf.to(self.policy.reduce_dtype)
         if self.policy.predivide_factor != 1.0:
             wire.div_(self.policy.predivide_factor)
-        async_op = self.policy.overlap
+        while len(self._pending) >= MAX_IN_FLIGHT:
+            self._complete(self._pending.pop(0))
         label = f"grad_bucket{b_idx}"
+        fresh = self._accum_fresh[b_idx]
         if self.policy.partition_grads:
-            out = torch.empty(bucket.shard_numel, dtype=wire.dtype, device=wire.device)
+            same = wire.dtype == self.policy.accum_dtype
+            out = self._accum[b_idx] if fresh and same else wire.new_empty(bucket.shard_numel)
             work = comm.reduce_scatter_tensor(
-                out, wire, group=self.group, async_op=async_op, label=label
+                out, wire, group=self.group, async_op=self.policy.overlap, label=label
             )
         else:
             out = wire
-            work = comm.all_reduce(wire, group=self.group, async_op=async_op, label=label)
-        self._pending.append(_Pending(bucket, work, wire, out))
-        if not async_op:
+            work = comm.all_reduce(
+                wire, group=self.group, async_op=self.policy.overlap, label=label
+            )
+        self._pending.append(_Pending(bucket, work, wire, out, fresh))
+        if not self.policy.overlap:
             self._complete(self._pending.pop())
 
     def _complete(self, pending: _Pending) -> None:
@@ -177,13 +221,23 @@ class GradientReducer:
             pending.work.wait()
         b_idx = pending.bucket.index
         post = self.policy.predivide_factor / self.dp_size
+        accum = self._accum[b_idx]
         if self.policy.partition_grads:
-            self._accum[b_idx].add_(pending.out, alpha=post)
+            if pending.out is accum:
+                accum.mul_(post)
+            elif pending.fresh:
+                accum.copy_(pending.out).mul_(post)
+            else:
+                accum.add_(pending.out, alpha=post)
+            self._accum_fresh[b_idx] = False
+            staging = self._staging[b_idx]
+            assert staging is not None
+            self._give(staging)
             self._staging[b_idx] = None
         else:
-            if pending.wire is not self._accum[b_idx]:
-                self._accum[b_idx].copy_(pending.wire)
-            self._accum[b_idx].mul_(post)
+            if pending.wire is not accum:
+                accum.copy_(pending.wire)
+            accum.mul_(post)
 
     def _end_of_backward(self) -> None:
         self.wait()
@@ -214,14 +268,23 @@ class GradientReducer:
     # --------------------------------------------------------------------- optimizer
     def grad_shard(self, b_idx: int) -> torch.Tensor:
         """This rank's reduced gradient for bucket ``b_idx`` (what the optimizer updates)."""
-        if self.policy.partition_grads or not self.shard_grads:
+        bucket = self.buckets[b_idx]
+        if self.policy.partition_grads:
+            if self._accum_fresh[b_idx]:  # no backward since zero(): the gradient is zero
+                self._accum[b_idx].zero_()
+                self._accum_fresh[b_idx] = False
             return self._accum[b_idx]
-        return self._accum[b_idx][self.buckets[b_idx].shard_slice(self.dp_rank)]
+        self._fill_unwritten(bucket, self._accum[b_idx], self._accum_written[b_idx])
+        if not self.shard_grads:
+            return self._accum[b_idx]
+        return self._accum[b_idx][bucket.shard_slice(self.dp_rank)]
 
     def zero(self) -> None:
+        """Start a new accumulation cycle (no memory is touched)."""
         self._reduced = False
-        for buf in self._accum:
-            buf.zero_()
+        for written in self._accum_written:
+            written.clear()
+        self._accum_fresh = [True] * len(self.buckets)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
