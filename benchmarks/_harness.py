@@ -80,6 +80,9 @@ class BenchConfig:
     """Train in bf16 (autocast for torch-native peers, ``bf16.enabled`` for engines)."""
     timeout_s: float = 900.0
     """Wall-clock limit for one framework's world, after which its ranks are killed."""
+    bucket: int = 6_553_600
+    """Gradient bucket in elements for every peer: DDP's ``bucket_cap_mb`` (25 MiB of fp32 by
+    default), DeepSpeed's and slipstream's ``reduce_bucket_size``."""
 
     def __post_init__(self) -> None:
         for name in ("world", "batch", "seq", "steps", "vocab_size"):

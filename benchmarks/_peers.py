@@ -94,7 +94,9 @@ def _build_ddp(model: nn.Module, cfg: BenchConfig) -> Trainer:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.cuda.current_device()] if cfg.device == "cuda" else None
-    return _TorchTrainer(DistributedDataParallel(model, device_ids=device_ids), cfg)
+    cap_mb = cfg.bucket * 4 / 2**20  # DDP sizes buckets in MiB of the gradient dtype
+    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=cap_mb)
+    return _TorchTrainer(ddp, cfg)
 
 
 def _build_fsdp2(model: nn.Module, cfg: BenchConfig, *, reshard_after_forward: bool) -> Trainer:
@@ -148,7 +150,7 @@ def _engine_config(cfg: BenchConfig, stage: int, optimizer_params: dict[str, Any
             "type": "AdamW",
             "params": {"lr": _LR, "weight_decay": _WEIGHT_DECAY, **optimizer_params},
         },
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e7, "overlap_comm": True},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": cfg.bucket, "overlap_comm": True},
         "bf16": {"enabled": cfg.bf16},
     }
 

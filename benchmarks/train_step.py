@@ -134,6 +134,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast / bf16.enabled")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bucket",
+        type=float,
+        default=6_553_600,
+        help="gradient bucket in elements for all peers (default: DDP's 25 MiB of fp32)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per framework")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
@@ -159,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=args.device,
         bf16=args.bf16,
         timeout_s=args.timeout,
+        bucket=int(args.bucket),
     )
     env = _environment(cfg, args.preset)
     results = run(args.frameworks, cfg, args.preset)
@@ -166,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"GPT {args.preset} ({env['params'] / 1e6:.1f}M params), world {cfg.world} "
         f"({cfg.device}, {env['threads_per_rank']} threads/rank), batch {cfg.batch}x{cfg.seq} "
         f"per rank, {'bf16' if cfg.bf16 else 'fp32'}, {cfg.warmup} warmup + {cfg.steps} timed "
-        f"steps; torch {env['torch']}, deepspeed {env['deepspeed']}"
+        f"steps, gradient bucket {cfg.bucket:,} elements; torch {env['torch']}, "
+        f"deepspeed {env['deepspeed']}"
     )
     print(format_table(results))
     print(

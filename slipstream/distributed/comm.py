@@ -184,6 +184,42 @@ def all_reduce(
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def _is_gloo(group: Group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+class _ScratchPool:
+    """Reusable 1-D scratch tensors (large fresh CPU allocations page-fault on every use)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.numel(), like.dtype, like.device)
+        return self.free[key].pop() if self.free[key] else torch.empty_like(like).reshape(-1)
+
+    def give(self, t: torch.Tensor) -> None:
+        self.free[(t.numel(), t.dtype, t.device)].append(t)
+
+
+_scratch = _ScratchPool()
+
+
+class _Finish:
+    """A Work whose ``wait()`` also runs a local completion step (and is idempotent)."""
+
+    def __init__(self, work: dist.Work | None, finish: Any) -> None:
+        self.work, self.finish, self.done = work, finish, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            if self.work is not None:
+                self.work.wait()
+            self.finish()
+            self.done = True
+        return True
+
+
 def all_gather_into_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -191,8 +227,21 @@ def all_gather_into_tensor(
     async_op: bool = False,
     label: str | None = None,
 ) -> dist.Work | None:
-    """Gather equal shards into ``output`` (rank-major); message bytes = output bytes."""
+    """Gather equal shards into ``output`` (rank-major); message bytes = output bytes.
+
+    ``input`` may be this rank's slot of ``output`` (in place). On gloo, whose all-gather is
+    about 2x slower than its all-reduce, the gather is an all-reduce of ``output`` with the
+    other ranks' slots zeroed (exact: every element is a sum of one value and zeros).
+    """
     comm_counters.record("all_gather", group, _nbytes(output), label)
+    if _is_gloo(group) and output.dim() == 1 and input.dim() == 1:
+        n, rank = input.numel(), get_rank(group)
+        slot = output[rank * n : (rank + 1) * n]
+        if slot.data_ptr() != input.data_ptr():
+            slot.copy_(input)
+        output[: rank * n].zero_()
+        output[(rank + 1) * n :].zero_()
+        return dist.all_reduce(output, group=group, async_op=async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
 
@@ -205,8 +254,27 @@ def reduce_scatter_tensor(
     async_op: bool = False,
     label: str | None = None,
 ) -> dist.Work | None:
-    """Reduce ``input`` across ranks, keep this rank's equal slice; bytes = input bytes."""
+    """Reduce ``input`` across ranks, keep this rank's equal slice; bytes = input bytes.
+
+    On gloo, whose reduce-scatter is about 2.5x slower than its all-reduce, a SUM is an
+    all-to-all (each rank receives every rank's copy of its slice) plus a local sum, which
+    moves the optimal (N-1)/N of the bytes.
+    """
     comm_counters.record("reduce_scatter", group, _nbytes(input), label)
+    if _is_gloo(group) and op == ReduceOp.SUM and input.dim() == 1:
+        world = get_world_size(group)
+        scratch = _scratch.take(input)
+        work = dist.all_to_all_single(scratch, input, group=group, async_op=True)
+
+        def finish() -> None:
+            torch.sum(scratch.view(world, -1), dim=0, out=output)
+            _scratch.give(scratch)
+
+        done = _Finish(work, finish)
+        if not async_op:
+            done.wait()
+            return None
+        return done  # type: ignore[return-value]
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=op, group=group, async_op=async_op)
 

@@ -1,0 +1,50 @@
+"""Rank-side checks of the communication layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.distributed import comm
+from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group
+
+
+def collectives() -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = build_mesh(ParallelDims(world_size=world))
+    group = dp_group(mesh)
+    comm.comm_counters.reset()
+    out: dict[str, Any] = {}
+    x = torch.arange(8 * world, dtype=torch.float32) + 100 * rank
+    expected_sum = sum(torch.arange(8 * world, dtype=torch.float32) + 100 * r for r in range(world))
+    shard = torch.empty(8)
+    comm.reduce_scatter_tensor(shard, x, group=group)
+    out["rs_sync"] = torch.equal(shard, expected_sum[rank * 8 : (rank + 1) * 8])
+    shard2 = torch.empty(8)
+    work = comm.reduce_scatter_tensor(shard2, x, group=group, async_op=True)
+    work.wait()
+    work.wait()  # idempotent
+    out["rs_async"] = torch.equal(shard2, shard)
+    full = torch.full((8 * world,), -1.0)
+    full[rank * 8 : (rank + 1) * 8] = rank + 1.0
+    comm.all_gather_into_tensor(full, full[rank * 8 : (rank + 1) * 8], group=group)  # in place
+    out["ag_inplace"] = torch.equal(full, torch.repeat_interleave(torch.arange(1.0, world + 1), 8))
+    other = torch.empty(8 * world, dtype=torch.bfloat16)
+    work = comm.all_gather_into_tensor(other, torch.full((8,), rank + 0.5, dtype=torch.bfloat16), group=group, async_op=True)
+    work.wait()
+    out["ag_bf16"] = torch.equal(other.float(), torch.repeat_interleave(torch.arange(world) + 0.5, 8))
+    y = x.clone()
+    comm.all_reduce(y, group=group)
+    out["ar"] = torch.equal(y, expected_sum)
+    a2a = torch.empty_like(x)
+    comm.all_to_all_single(a2a, x, group=group)
+    out["a2a"] = torch.equal(a2a.view(world, 8)[0], x.new_tensor(range(rank * 8, rank * 8 + 8)))
+    out["summary"] = comm.log_summary()
+    try:
+        comm.check_same_across_ranks(("shape", rank % 2), "model")
+        out["diverged"] = None
+    except RuntimeError as e:
+        out["diverged"] = str(e)
+    return out
