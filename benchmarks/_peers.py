@@ -150,7 +150,11 @@ def _engine_config(cfg: BenchConfig, stage: int, optimizer_params: dict[str, Any
             "type": "AdamW",
             "params": {"lr": _LR, "weight_decay": _WEIGHT_DECAY, **optimizer_params},
         },
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": cfg.bucket, "overlap_comm": True},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": cfg.bucket,
+            "overlap_comm": True,
+        },
         "bf16": {"enabled": cfg.bf16},
     }
 

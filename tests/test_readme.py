@@ -15,7 +15,12 @@ def test_readme_quick_start_runs(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     quick = next(b for b in blocks if "import slipstream as deepspeed" in b)
     script = tmp_path / "train.py"
-    script.write_text(quick + "\nassert engine.global_steps == 10, engine.global_steps\nprint('OK', float(loss))\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    script.write_text(
+        quick
+        + "\nassert engine.global_steps == 10, engine.global_steps\nprint('OK', float(loss))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "OK" in proc.stdout

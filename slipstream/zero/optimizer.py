@@ -150,17 +150,22 @@ class ZeroOptimizer:
         coef = inv_scale
         if self.clip > 0 and norm > self.clip:
             coef *= self.clip / (norm + 1e-6)
-        for views, chunks, grad in zip(self._views, self._chunks, grads):
+        # Bucket by bucket: the all-gather of an updated bucket overlaps the update of the
+        # next one (torch optimizers skip tensors whose .grad is None).
+        works = []
+        for b, grad in enumerate(grads):
             if coef != 1.0:
                 grad.mul_(coef)
-            for view, c in zip(views, chunks):
+            for view, c in zip(self._views[b], self._chunks[b]):
                 g = grad[c]
                 view.grad = g if g.dtype == view.dtype else g.to(view.dtype)
-        self.optimizer.step()
-        for views in self._views:
-            for view in views:
+            self.optimizer.step()
+            for view in self._views[b]:
                 view.grad = None
-        self._publish()
+            works.append(self._publish(b))
+        for w in works:
+            if w is not None:
+                w.wait()
         self.reducer.zero()
         return True
 
@@ -172,27 +177,15 @@ class ZeroOptimizer:
             comm.all_reduce(sq, group=self.group, label="grad_norm")
         return float(sq.sqrt())
 
-    def _publish(self) -> None:
-        """Copy updated masters into the parameters and gather every rank's shard."""
-        works = []
-        for bucket, master in zip(self.buckets, self.masters):
-            region = (
-                bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
-            )
-            if master.data_ptr() != region.data_ptr():
-                region.copy_(master)
-            if self.partition:
-                # In place (NCCL and gloo support it): this rank's shard is already at its
-                # slot of the output, so no staging copy is made.
-                works.append(
-                    comm.all_gather_into_tensor(
-                        bucket.flat,
-                        region,
-                        group=self.group,
-                        async_op=True,
-                        label=f"param_bucket{bucket.index}",
-                    )
-                )
-        for w in works:
-            if w is not None:
-                w.wait()
+    def _publish(self, b: int) -> Any:
+        """Copy bucket ``b``'s updated master into the parameters; start gathering the shards."""
+        bucket, master = self.buckets[b], self.masters[b]
+        region = bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
+        if master.data_ptr() != region.data_ptr():
+            region.copy_(master)
+        if not self.partition:
+            return None
+        # In place (NCCL and gloo support it): this rank's shard is already at its slot.
+        return comm.all_gather_into_tensor(
+            bucket.flat, region, group=self.group, async_op=True, label=f"param_bucket{b}"
+        )

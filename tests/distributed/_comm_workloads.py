@@ -32,9 +32,13 @@ def collectives() -> dict[str, Any]:
     comm.all_gather_into_tensor(full, full[rank * 8 : (rank + 1) * 8], group=group)  # in place
     out["ag_inplace"] = torch.equal(full, torch.repeat_interleave(torch.arange(1.0, world + 1), 8))
     other = torch.empty(8 * world, dtype=torch.bfloat16)
-    work = comm.all_gather_into_tensor(other, torch.full((8,), rank + 0.5, dtype=torch.bfloat16), group=group, async_op=True)
+    work = comm.all_gather_into_tensor(
+        other, torch.full((8,), rank + 0.5, dtype=torch.bfloat16), group=group, async_op=True
+    )
     work.wait()
-    out["ag_bf16"] = torch.equal(other.float(), torch.repeat_interleave(torch.arange(world) + 0.5, 8))
+    out["ag_bf16"] = torch.equal(
+        other.float(), torch.repeat_interleave(torch.arange(world) + 0.5, 8)
+    )
     y = x.clone()
     comm.all_reduce(y, group=group)
     out["ar"] = torch.equal(y, expected_sum)
