@@ -201,8 +201,86 @@ def logging_and_comm_counters() -> dict[str, Any]:
     return {"records": records, "summary": summary, "bucket_bytes": numel * 4}
 
 
+def precision_switches_and_manual_paths() -> dict[str, Any]:
+    """bf16 master-weight switch, engine.scale + manual backward, no_sync, unmanaged accumulation."""
+    out: dict[str, Any] = {}
+    x, y = _batch(dist.get_rank())
+    low = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True,
+        },
+    }
+    engine, opt, _, _ = slipstream.initialize(model=_model(), config=low)
+    engine.backward(engine(x, y))
+    engine.step()
+    out["low_master_bytes"] = opt.master_bytes()
+    out["low_state_dtypes"] = sorted(
+        {str(v.dtype) for st in opt.state.values() for v in st.values() if v.dim()}
+    )
+    engine.destroy()
+    default = dict(low, bf16={"enabled": True})
+    engine, opt, _, _ = slipstream.initialize(model=_model(), config=default)
+    engine.backward(engine(x, y))
+    engine.step()
+    out["default_master_bytes"] = opt.master_bytes()
+    out["default_state_dtypes"] = sorted(
+        {str(v.dtype) for st in opt.state.values() for v in st.values() if v.dim()}
+    )
+    engine.destroy()
+
+    base = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1},
+    }
+    norms = []
+    for manual in (False, True):
+        engine, _, _, _ = slipstream.initialize(model=_model(), config=base)
+        loss = engine(x, y)
+        if manual:
+            engine.scale(loss).backward()
+        else:
+            engine.backward(loss)
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+        engine.destroy()
+    out["manual_norms"] = norms
+
+    from slipstream.distributed import comm
+
+    engine, _, _, _ = slipstream.initialize(model=_model(), config=base)
+    comm.comm_counters.reset()
+    with engine.no_sync():
+        engine.backward(engine(x, y))
+    engine.backward(engine(x, y))
+    engine.step()
+    summary = comm.log_summary()
+    out["no_sync_allreduce_calls"] = summary["dp"]["all_reduce"]["calls"]
+    out["no_sync_params"] = [p.detach().clone() for p in engine.module.parameters()]
+    engine.destroy()
+
+    engine, _, _, _ = slipstream.initialize(
+        model=_model(),
+        config=dict(base, gradient_accumulation_steps=2, managed_gradient_accumulation=False),
+    )
+    flags = []
+    for _ in range(2):
+        flags.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(x, y))
+        engine.step()
+    out["unmanaged"] = (flags, engine.global_steps)
+    engine.destroy()
+    return out
+
+
 def all_checks() -> dict[str, Any]:
     return {
+        "switches": precision_switches_and_manual_paths(),
         "logs": logging_and_comm_counters(),
         "fp16": fp16_overflow(),
         "api": api_and_errors(),

@@ -68,3 +68,17 @@ def test_step_logging_and_comm_bytes_per_axis(results):
     assert dp["reduce_scatter"]["bytes"] == logs["bucket_bytes"]
     assert dp["all_gather"]["bytes"] == logs["bucket_bytes"]
     assert dp["all_reduce"]["calls"] == 1  # the global gradient norm
+
+
+def test_bf16_master_switch_manual_backward_no_sync_unmanaged(results):
+    """bf16 masters live in the parameters when switched; scale()+backward equals backward();
+    no_sync skips the reduction; managed_gradient_accumulation=false steps every time."""
+    sw = results[0]["switches"]
+    assert sw["low_master_bytes"] == 0 and sw["low_state_dtypes"] == ["torch.bfloat16"]
+    assert sw["default_master_bytes"] > 0 and sw["default_state_dtypes"] == ["torch.float32"]
+    assert sw["manual_norms"][0] == pytest.approx(sw["manual_norms"][1], rel=1e-6)
+    # Buckets all-reduced once (the boundary backward) plus the grad-norm all-reduce.
+    assert sw["no_sync_allreduce_calls"] == 2
+    for a, b in zip(sw["no_sync_params"], results[1]["switches"]["no_sync_params"]):
+        assert torch.equal(a, b)
+    assert sw["unmanaged"] == ([True, True], 2)
