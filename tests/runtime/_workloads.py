@@ -215,23 +215,14 @@ def precision_switches_and_manual_paths() -> dict[str, Any]:
             "bf16_optimizer_states": True,
         },
     }
-    engine, opt, _, _ = slipstream.initialize(model=_model(), config=low)
-    engine.backward(engine(x, y))
-    engine.step()
-    out["low_master_bytes"] = opt.master_bytes()
-    out["low_state_dtypes"] = sorted(
-        {str(v.dtype) for st in opt.state.values() for v in st.values() if v.dim()}
-    )
-    engine.destroy()
-    default = dict(low, bf16={"enabled": True})
-    engine, opt, _, _ = slipstream.initialize(model=_model(), config=default)
-    engine.backward(engine(x, y))
-    engine.step()
-    out["default_master_bytes"] = opt.master_bytes()
-    out["default_state_dtypes"] = sorted(
-        {str(v.dtype) for st in opt.state.values() for v in st.values() if v.dim()}
-    )
-    engine.destroy()
+    for name, config in (("low", low), ("default", dict(low, bf16={"enabled": True}))):
+        engine, opt, _, _ = slipstream.initialize(model=_model(), config=config)
+        engine.backward(engine(x, y))
+        engine.step()
+        out[f"{name}_master_bytes"] = opt.master_bytes()
+        dtypes = {str(v.dtype) for st in opt.state.values() for v in st.values() if v.dim()}
+        out[f"{name}_state_dtypes"] = sorted(dtypes)
+        engine.destroy()
 
     base = {
         "train_micro_batch_size_per_gpu": 2,
