@@ -188,11 +188,14 @@ def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+_ScratchKey = tuple[int, torch.dtype, torch.device]
+
+
 class _ScratchPool:
     """Reusable 1-D scratch tensors (large fresh CPU allocations page-fault on every use)."""
 
     def __init__(self) -> None:
-        self.free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+        self.free: dict[_ScratchKey, list[torch.Tensor]] = defaultdict(list)
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         key = (like.numel(), like.dtype, like.device)
