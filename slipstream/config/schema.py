@@ -117,7 +117,7 @@ class SlipstreamConfig(StrictModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO stage and bucket settings."""
     zero_allow_untested_optimizer: bool = False
-    """Accepted for compatibility: every optimizer slipstream builds is tested with ZeRO."""
+    """Accept an optimizer class not known to be elementwise on flat ZeRO partitions."""
     zero_force_ds_cpu_optimizer: bool = True
     """Accepted for compatibility (offload, issue 3)."""
     prescale_gradients: bool = False

@@ -102,6 +102,8 @@ def initialize(
             check_overflow=cfg.fp16.enabled or cfg.bf16.check_grad_overflow,
             prescale_gradients=cfg.prescale_gradients,
             predivide_factor=cfg.gradient_predivide_factor,
+            sub_group_size=cfg.zero_optimization.sub_group_size,
+            allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
         )
         zero_opt = shard_zero_(
             model, group, cfg.zero_optimization, policy, groups, make_optimizer, step

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,23 +11,12 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
-from slipstream.runtime.precision import LossScaler, PrecisionPolicy
+from slipstream.runtime.precision import PrecisionPolicy
 from slipstream.zero.flat import Bucket, build_buckets
-from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
 from slipstream.zero.reducer import GradientReducer, ReducePolicy
 
 __all__ = ["Bucket", "StepPolicy", "ZeroOptimizer", "shard_zero_"]
-
-
-@dataclass(frozen=True)
-class StepPolicy:
-    """What happens at the optimizer step besides the update itself."""
-
-    loss_scaler: LossScaler
-    clip: float = 0.0
-    check_overflow: bool = False
-    prescale_gradients: bool = False
-    predivide_factor: float = 1.0
 
 
 def _param_groups(model: nn.Module, groups: Sequence[dict[str, Any]]) -> list[list[nn.Parameter]]:
@@ -107,10 +95,7 @@ def shard_zero_(
         dp_group,
         partition=cfg.stage >= 1,
         master_dtype=precision.master_dtype,
-        loss_scaler=step.loss_scaler,
-        clip=step.clip,
-        check_overflow=step.check_overflow,
-        sub_group_size=cfg.sub_group_size,
+        step=step,
     )
 
 

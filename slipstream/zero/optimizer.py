@@ -15,18 +15,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.optim.kinds import optimizer_kind
 from slipstream.runtime.precision import LossScaler
 from slipstream.zero.flat import Bucket
 from slipstream.zero.reducer import GradientReducer
 
-__all__ = ["OPTIMIZER_CHUNK", "ZeroOptimizer"]
+__all__ = ["OPTIMIZER_CHUNK", "StepPolicy", "ZeroOptimizer"]
 
 OPTIMIZER_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """What happens at the optimizer step besides the update itself.
+
+    Attributes:
+        loss_scaler: fp16 loss scale (``enabled=False`` for fp32/bf16).
+        clip: global gradient-norm clip (0 disables).
+        check_overflow: skip the step when gradients are not finite.
+        prescale_gradients: divide gradients by ``predivide_factor`` before reduction.
+        predivide_factor: see ``prescale_gradients``.
+        sub_group_size: largest tensor handed to an elementwise optimizer.
+        allow_untested_optimizer: accept optimizer classes not known to be elementwise.
+    """
+
+    loss_scaler: LossScaler
+    clip: float = 0.0
+    check_overflow: bool = False
+    prescale_gradients: bool = False
+    predivide_factor: float = 1.0
+    sub_group_size: int = OPTIMIZER_CHUNK
+    allow_untested_optimizer: bool = False
 
 
 class ZeroOptimizer:
@@ -41,9 +67,11 @@ class ZeroOptimizer:
         dp_group: data-parallel group.
         partition: stage >= 1: each rank updates only its shard, then all-gathers.
         master_dtype: dtype of master weights.
-        loss_scaler: fp16 loss scale (``enabled=False`` for fp32/bf16).
-        clip: global gradient-norm clip (0 disables).
-        check_overflow: skip the step when gradients are not finite.
+        step: loss scaling, clipping, overflow and optimizer-granularity policy.
+    Raises:
+        ConfigError: a layer-wise optimizer (LAMB, Adafactor) whose parameters would be split
+            across ranks, or an optimizer of unknown kind without
+            ``zero_allow_untested_optimizer``.
     """
 
     def __init__(
@@ -55,10 +83,7 @@ class ZeroOptimizer:
         dp_group: comm.Group,
         partition: bool,
         master_dtype: torch.dtype,
-        loss_scaler: LossScaler,
-        clip: float = 0.0,
-        check_overflow: bool = False,
-        sub_group_size: int = OPTIMIZER_CHUNK,
+        step: StepPolicy,
     ) -> None:
         self.buckets = list(buckets)
         self.reducer = reducer
@@ -66,22 +91,77 @@ class ZeroOptimizer:
         self.dp_rank = comm.get_rank(dp_group)
         self.dp_size = comm.get_world_size(dp_group)
         self.partition = partition and self.dp_size > 1
-        self.loss_scaler = loss_scaler
-        self.clip = clip
-        self.check_overflow = check_overflow or loss_scaler.enabled
+        self.loss_scaler = step.loss_scaler
+        self.clip = step.clip
+        self.check_overflow = step.check_overflow or step.loss_scaler.enabled
         self.masters = [self._make_master(b, master_dtype) for b in self.buckets]
-        chunk = max(1, min(sub_group_size, OPTIMIZER_CHUNK))
-        self._chunks = [
-            [slice(i, min(i + chunk, m.numel())) for i in range(0, m.numel(), chunk)]
-            for m in self.masters
-        ]
+        # One view per parameter (its part in this rank's shard) so layer-wise optimizers see
+        # whole parameters; elementwise ones get big views split into sub-groups below.
+        self._chunks = [self._segments(b) for b in self.buckets]
         self._views = [[m[c] for c in cs] for m, cs in zip(self.masters, self._chunks)]
         groups: list[dict[str, Any]] = [dict(h, params=[]) for h in group_hparams]
         for b, views in zip(self.buckets, self._views):
             groups[b.group_index]["params"].extend(views)
         self.optimizer = make_optimizer(groups)
+        self._check_optimizer(step.allow_untested_optimizer)
+        if optimizer_kind(type(self.optimizer)) == "elementwise":
+            self._split_views(max(1, min(step.sub_group_size, OPTIMIZER_CHUNK)))
         self.global_grad_norm: float | None = None
         self.overflow = False
+
+    def _segments(self, bucket: Bucket) -> list[slice]:
+        """Each parameter's slice of this rank's master region (whole bucket at stage 0)."""
+        lo, hi = (bucket.shard_slice(self.dp_rank).start, bucket.shard_slice(self.dp_rank).stop)
+        if not self.partition:
+            lo, hi = 0, bucket.numel
+        out = []
+        for off, p in zip(bucket.offsets, bucket.params):
+            start, stop = max(off, lo), min(off + p.numel(), hi)
+            if start < stop:
+                out.append(slice(start - lo, stop - lo))
+        return out
+
+    def _check_optimizer(self, allow_untested: bool) -> None:
+        cls = type(self.optimizer)
+        kind = optimizer_kind(cls)
+        if kind == "unknown" and not allow_untested:
+            raise ConfigError(
+                f"optimizer {cls.__name__} is not known to be elementwise, and ZeRO hands it flat "
+                "slices of parameters: if each element's update depends only on that element "
+                "(like Adam), set zero_allow_untested_optimizer: true; otherwise use a known one"
+            )
+        if kind == "layerwise" and self.partition:
+            split = [
+                b.names[i]
+                for b in self.buckets
+                for i, (off, p) in enumerate(zip(b.offsets, b.params))
+                if any(
+                    off < s < off + p.numel() for s in range(b.shard_numel, b.numel, b.shard_numel)
+                )
+            ]
+            if split:
+                raise ConfigError(
+                    f"optimizer {cls.__name__} computes per-parameter statistics, but ZeRO stage >= 1 "
+                    f"splits parameters across ranks (e.g. '{split[0]}'). Use ZeRO stage 0 with "
+                    f"{cls.__name__}, or an elementwise optimizer (AdamW, Lion) at stages 1-2"
+                )
+
+    def _split_views(self, chunk: int) -> None:
+        """Split views larger than ``chunk`` (before the first step, when state is empty)."""
+        for b, segments in enumerate(self._chunks):
+            pieces = [
+                slice(i, min(i + chunk, seg.stop))
+                for seg in segments
+                for i in range(seg.start, seg.stop, chunk)
+            ]
+            if len(pieces) == len(segments):
+                continue
+            old = {id(v) for v in self._views[b]}
+            self._chunks[b] = pieces
+            self._views[b] = [self.masters[b][c] for c in pieces]
+            for g in self.optimizer.param_groups:
+                if any(id(p) in old for p in g["params"]):
+                    g["params"] = [p for p in g["params"] if id(p) not in old] + self._views[b]
 
     def _make_master(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
         region = bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat

@@ -269,8 +269,87 @@ def precision_switches_and_manual_paths() -> dict[str, Any]:
     return out
 
 
+def layerwise_and_untested_optimizers() -> dict[str, Any]:
+    """Lamb is exact at stage 0 (whole-parameter views), refused where ZeRO splits parameters;
+    an optimizer class of unknown kind needs zero_allow_untested_optimizer."""
+    from slipstream.config import ConfigError
+    from slipstream.optim import Lamb
+
+    out: dict[str, Any] = {}
+    x, y = _batch(dist.get_rank())
+    lamb = {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+    engine, _, _, _ = slipstream.initialize(
+        model=_model(), config={"train_micro_batch_size_per_gpu": 2, "optimizer": lamb}
+    )
+    for _ in range(3):
+        engine.backward(engine(x, y))
+        engine.step()
+    out["lamb_params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    # The reference: torch-level Lamb on one process over both ranks' batches.
+    ref = _model()
+    opt = Lamb(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    xs = [_batch(r) for r in range(dist.get_world_size())]
+    for _ in range(3):
+        loss = sum(ref(bx, by) for bx, by in xs) / len(xs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out["lamb_ref"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    try:
+        slipstream.initialize(
+            model=_model(),
+            config={
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": lamb,
+                "zero_optimization": {"stage": 2},
+            },
+        )
+        out["lamb_stage2"] = None
+    except ConfigError as e:
+        out["lamb_stage2"] = str(e)
+
+    class MyOpt(torch.optim.SGD):
+        pass
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure: Any = None) -> None:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-g["lr"])
+
+    base = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    m = _model()
+    engine, _, _, _ = slipstream.initialize(
+        model=m, optimizer=MyOpt(m.parameters(), lr=0.1), config=base
+    )
+    engine.destroy()
+    m = _model()
+    try:
+        slipstream.initialize(model=m, optimizer=Custom(m.parameters()), config=base)
+        out["custom"] = None
+    except ConfigError as e:
+        out["custom"] = str(e)
+    m = _model()
+    engine, _, _, _ = slipstream.initialize(
+        model=m,
+        optimizer=Custom(m.parameters()),
+        config=dict(base, zero_allow_untested_optimizer=True),
+    )
+    engine.backward(engine(x, y))
+    engine.step()
+    out["custom_allowed_steps"] = engine.global_steps
+    engine.destroy()
+    return out
+
+
 def all_checks() -> dict[str, Any]:
     return {
+        "optimizers": layerwise_and_untested_optimizers(),
         "switches": precision_switches_and_manual_paths(),
         "logs": logging_and_comm_counters(),
         "fp16": fp16_overflow(),

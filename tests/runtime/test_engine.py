@@ -82,3 +82,15 @@ def test_bf16_master_switch_manual_backward_no_sync_unmanaged(results):
     for a, b in zip(sw["no_sync_params"], results[1]["switches"]["no_sync_params"]):
         assert torch.equal(a, b)
     assert sw["unmanaged"] == ([True, True], 2)
+
+
+def test_layerwise_lamb_exact_at_stage0_and_refused_when_split(results):
+    """Lamb sees whole parameters at stage 0 (matches single-process Lamb); at stage 2, where
+    parameters straddle rank shards, it is refused; unknown optimizers need the opt-in."""
+    opt = results[0]["optimizers"]
+    for name, ref in opt["lamb_ref"].items():
+        torch.testing.assert_close(opt["lamb_params"][name], ref, rtol=1e-5, atol=1e-6)
+    assert "computes per-parameter statistics" in opt["lamb_stage2"]
+    assert "Use ZeRO stage 0 with Lamb" in opt["lamb_stage2"]
+    assert "zero_allow_untested_optimizer: true" in opt["custom"]
+    assert opt["custom_allowed_steps"] == 1
