@@ -12,7 +12,7 @@ from slipstream._logging import log_rank0
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
 from slipstream.runtime.precision import PrecisionPolicy
-from slipstream.zero.flat import Bucket, build_buckets
+from slipstream.zero.flat import Bucket, FlatStore, build_buckets
 from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
 from slipstream.zero.reducer import GradientReducer, ReducePolicy
 
@@ -86,6 +86,7 @@ def shard_zero_(
         ignore_unused=cfg.ignore_unused_parameters,
     )
     reducer = GradientReducer(buckets, dp_group, policy, shard_grads=cfg.stage >= 1)
+    store = FlatStore(buckets, dp_group, partitioned=cfg.stage >= 1)
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
     return ZeroOptimizer(
         buckets,
@@ -93,7 +94,7 @@ def shard_zero_(
         make_optimizer,
         hparams,
         dp_group,
-        partition=cfg.stage >= 1,
+        store,
         master_dtype=precision.master_dtype,
         step=step,
     )

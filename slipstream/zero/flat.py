@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["Bucket", "build_buckets"]
+from slipstream.distributed import comm
+
+__all__ = ["Bucket", "FlatStore", "ParamStore", "build_buckets"]
 
 
 @dataclass
@@ -103,3 +106,54 @@ def _make_bucket(
         view.copy_(p.detach().reshape(-1))
         p.data = view.view_as(p)
     return Bucket(index, group_index, params, [names[p] for p in params], offsets, numel, dp, flat)
+
+
+class ParamStore(Protocol):
+    """Where bucket parameters live and which region of each bucket this rank updates."""
+
+    partitioned: bool
+
+    def owned_range(self, b: int) -> tuple[int, int]: ...
+    def owned(self, b: int) -> torch.Tensor: ...
+    def publish(self, b: int) -> object: ...
+
+
+class FlatStore:
+    """Where each bucket's parameters live for stages 0-2: full flat storage on every rank.
+
+    With ``partitioned`` (stages 1/2) this rank owns (updates) slice ``shard_slice(dp_rank)``
+    of every bucket and ``publish`` all-gathers the updated slices; otherwise it owns all.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket], dp_group: comm.Group, partitioned: bool) -> None:
+        self.buckets = list(buckets)
+        self.group = dp_group
+        self.dp_rank = comm.get_rank(dp_group)
+        self.partitioned = partitioned and comm.get_world_size(dp_group) > 1
+
+    def owned_range(self, b: int) -> tuple[int, int]:
+        """[start, stop) of bucket ``b`` (in bucket element coordinates) this rank updates."""
+        bucket = self.buckets[b]
+        if not self.partitioned:
+            return 0, bucket.numel
+        s = bucket.shard_slice(self.dp_rank)
+        return s.start, s.stop
+
+    def owned(self, b: int) -> torch.Tensor:
+        """The storage of this rank's owned region of bucket ``b`` (parameter dtype)."""
+        lo, hi = self.owned_range(b)
+        return self.buckets[b].flat[lo:hi]
+
+    def publish(self, b: int) -> object:
+        """Make bucket ``b``'s updated owned region visible to every rank (async work or None)."""
+        if not self.partitioned:
+            return None
+        bucket = self.buckets[b]
+        # In place (NCCL and gloo support it): this rank's shard is already at its slot.
+        return comm.all_gather_into_tensor(
+            bucket.flat,
+            self.owned(b),
+            group=self.group,
+            async_op=True,
+            label=f"param_bucket{b}",  # type: ignore[arg-type]
+        )

@@ -24,7 +24,7 @@ from slipstream.config import ConfigError
 from slipstream.distributed import comm
 from slipstream.optim.kinds import optimizer_kind
 from slipstream.runtime.precision import LossScaler
-from slipstream.zero.flat import Bucket
+from slipstream.zero.flat import Bucket, ParamStore
 from slipstream.zero.reducer import GradientReducer
 
 __all__ = ["OPTIMIZER_CHUNK", "StepPolicy", "ZeroOptimizer"]
@@ -65,7 +65,7 @@ class ZeroOptimizer:
             ``params`` are the master tensors.
         group_hparams: hyperparameters of each param group (without ``params``).
         dp_group: data-parallel group.
-        partition: stage >= 1: each rank updates only its shard, then all-gathers.
+        store: where parameters live; which region of each bucket this rank updates.
         master_dtype: dtype of master weights.
         step: loss scaling, clipping, overflow and optimizer-granularity policy.
     Raises:
@@ -81,16 +81,17 @@ class ZeroOptimizer:
         make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
         group_hparams: Sequence[dict[str, Any]],
         dp_group: comm.Group,
-        partition: bool,
+        store: ParamStore,
         master_dtype: torch.dtype,
         step: StepPolicy,
     ) -> None:
         self.buckets = list(buckets)
         self.reducer = reducer
         self.group = dp_group
+        self.store = store
         self.dp_rank = comm.get_rank(dp_group)
         self.dp_size = comm.get_world_size(dp_group)
-        self.partition = partition and self.dp_size > 1
+        self.partition = store.partitioned
         self.loss_scaler = step.loss_scaler
         self.clip = step.clip
         self.check_overflow = step.check_overflow or step.loss_scaler.enabled
@@ -111,9 +112,7 @@ class ZeroOptimizer:
 
     def _segments(self, bucket: Bucket) -> list[slice]:
         """Each parameter's slice of this rank's master region (whole bucket at stage 0)."""
-        lo, hi = (bucket.shard_slice(self.dp_rank).start, bucket.shard_slice(self.dp_rank).stop)
-        if not self.partition:
-            lo, hi = 0, bucket.numel
+        lo, hi = self.store.owned_range(bucket.index)
         out = []
         for off, p in zip(bucket.offsets, bucket.params):
             start, stop = max(off, lo), min(off + p.numel(), hi)
@@ -164,7 +163,7 @@ class ZeroOptimizer:
                     g["params"] = [p for p in g["params"] if id(p) not in old] + self._views[b]
 
     def _make_master(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
-        region = bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
+        region = self.store.owned(bucket.index)
         if region.dtype == dtype:
             return region  # the master is the parameter storage itself
         return region.detach().to(dtype).clone()
@@ -258,14 +257,8 @@ class ZeroOptimizer:
         return float(sq.sqrt())
 
     def _publish(self, b: int) -> Any:
-        """Copy bucket ``b``'s updated master into the parameters; start gathering the shards."""
-        bucket, master = self.buckets[b], self.masters[b]
-        region = bucket.flat[bucket.shard_slice(self.dp_rank)] if self.partition else bucket.flat
+        """Copy bucket ``b``'s updated master into the parameters; start sharing it."""
+        region, master = self.store.owned(b), self.masters[b]
         if master.data_ptr() != region.data_ptr():
             region.copy_(master)
-        if not self.partition:
-            return None
-        # In place (NCCL and gloo support it): this rank's shard is already at its slot.
-        return comm.all_gather_into_tensor(
-            bucket.flat, region, group=self.group, async_op=True, label=f"param_bucket{b}"
-        )
+        return self.store.publish(b)
