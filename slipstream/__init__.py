@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipstream import comm
+from slipstream import comm, zero
 from slipstream.config import ConfigError, SlipstreamConfig
 from slipstream.distributed.comm import init_distributed
 from slipstream.runtime.engine import Engine
@@ -33,6 +33,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "zero",
 ]
 
 

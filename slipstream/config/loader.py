@@ -423,11 +423,6 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
             "(bf16 needs no loss scaling and is preferred on hardware that supports it)"
         )
     zero = cfg.zero_optimization
-    if zero.stage == 3:
-        raise ConfigError(
-            "zero_optimization.stage = 3 (parameter partitioning) is not implemented yet; it "
-            "arrives with issue 3. Use stage 2 (optimizer states and gradients partitioned)"
-        )
     for key in ("offload_optimizer", "offload_param"):
         off = getattr(zero, key)
         if off is not None and off.enabled:

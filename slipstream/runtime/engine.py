@@ -208,7 +208,7 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         if self.optimizer is not None:
-            self.optimizer.reducer.remove_hooks()
+            self.optimizer.destroy()
 
     # ---------------------------------------------------------------------- helpers
     def _require_optimizer(self) -> ZeroOptimizer:

@@ -1,4 +1,4 @@
-"""ZeRO data parallelism, stages 0-2, applied in place: ``shard_zero_``."""
+"""ZeRO data parallelism, stages 0-3, applied in place: ``shard_zero_``."""
 
 from __future__ import annotations
 
@@ -12,11 +12,19 @@ from slipstream._logging import log_rank0
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
 from slipstream.runtime.precision import PrecisionPolicy
-from slipstream.zero.flat import Bucket, FlatStore, build_buckets
+from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
 from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
 from slipstream.zero.reducer import GradientReducer, ReducePolicy
+from slipstream.zero.stage3 import GatheredParameters, set_z3_leaf_modules, shard_params_
 
-__all__ = ["Bucket", "StepPolicy", "ZeroOptimizer", "shard_zero_"]
+__all__ = [
+    "Bucket",
+    "GatheredParameters",
+    "StepPolicy",
+    "ZeroOptimizer",
+    "set_z3_leaf_modules",
+    "shard_zero_",
+]
 
 
 def _param_groups(model: nn.Module, groups: Sequence[dict[str, Any]]) -> list[list[nn.Parameter]]:
@@ -50,7 +58,7 @@ def shard_zero_(
     make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
     step: StepPolicy,
 ) -> ZeroOptimizer:
-    """Apply ZeRO stage 0, 1 or 2 to ``model`` in place and return its optimizer.
+    """Apply ZeRO stage 0, 1, 2 or 3 to ``model`` in place and return its optimizer.
 
     Parameters keep their names and modules; each becomes a view into a flat bucket.
     Parameters are broadcast from data-parallel rank 0 so all replicas start equal.
@@ -66,8 +74,6 @@ def shard_zero_(
     Communication: stage 0/1 one all-reduce of all gradients per optimizer step; stage 2
     one reduce-scatter per micro-step; stage 1/2 one all-gather of the parameters per step.
     """
-    if cfg.stage > 2:
-        raise ValueError(f"shard_zero_ handles stages 0-2, got stage {cfg.stage}")
     names = {p: n for n, p in model.named_parameters()}
     groups = _param_groups(model, param_groups)
     trainable = {p for g in groups for p in g}
@@ -75,18 +81,28 @@ def shard_zero_(
     if orphans:
         log_rank0("parameters not in any optimizer param group are not trained: %s", orphans[:8])
     dp_size = comm.get_world_size(dp_group)
-    buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)
-    _broadcast_from_dp0(model, buckets, dp_group)
+    store: ParamStore
+    if cfg.stage == 3:
+        _broadcast_from_dp0(model, [], dp_group)
+        buckets, store = shard_params_(
+            model, groups, names, dp_group, cfg.stage3_param_persistence_threshold
+        )
+    else:
+        buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)
+        _broadcast_from_dp0(model, buckets, dp_group)
+        store = FlatStore(buckets, dp_group, partitioned=cfg.stage >= 1)
     policy = ReducePolicy(
-        partition_grads=cfg.stage == 2 and dp_size > 1,
+        partition_grads=cfg.stage >= 2 and dp_size > 1,
         accum_dtype=precision.grad_accum_dtype,
         reduce_dtype=precision.reduce_dtype,
         overlap=cfg.overlap,
         predivide_factor=step.predivide_factor if step.prescale_gradients else 1.0,
         ignore_unused=cfg.ignore_unused_parameters,
     )
-    reducer = GradientReducer(buckets, dp_group, policy, shard_grads=cfg.stage >= 1)
-    store = FlatStore(buckets, dp_group, partitioned=cfg.stage >= 1)
+    listener = store if cfg.stage == 3 else None
+    reducer = GradientReducer(
+        buckets, dp_group, policy, shard_grads=cfg.stage >= 1, listener=listener
+    )
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
     return ZeroOptimizer(
         buckets,

@@ -96,6 +96,8 @@ class ZeroOptimizer:
         self.clip = step.clip
         self.check_overflow = step.check_overflow or step.loss_scaler.enabled
         self.masters = [self._make_master(b, master_dtype) for b in self.buckets]
+        if hasattr(store, "masters"):
+            store.masters = self.masters  # stage 3: GatheredParameters edits reach the masters
         # One view per parameter (its part in this rank's shard) so layer-wise optimizers see
         # whole parameters; elementwise ones get big views split into sub-groups below.
         self._chunks = [self._segments(b) for b in self.buckets]
@@ -194,6 +196,13 @@ class ZeroOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def destroy(self) -> None:
+        """Remove every hook this optimizer installed on the model."""
+        self.reducer.remove_hooks()
+        remove = getattr(self.store, "remove_hooks", None)
+        if remove is not None:
+            remove()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,6 +83,7 @@ class GradientReducer:
         dp_group: comm.Group,
         policy: ReducePolicy,
         shard_grads: bool,
+        listener: Any = None,
     ) -> None:
         self.buckets = list(buckets)
         self.group = dp_group
@@ -89,6 +91,9 @@ class GradientReducer:
         self.dp_rank = comm.get_rank(dp_group)
         self.policy = policy
         self.shard_grads = shard_grads  # optimizer sees a shard (stage 1/2), not the bucket
+        # Stage 3 frees a unit's gathered parameters once its gradients are in: the listener
+        # gets on_bucket_ready(b) and on_pass_end().
+        self.listener = listener
         self.sync = True  # set by the engine: is this backward an accumulation boundary?
         self._device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
         size = (lambda b: b.shard_numel) if policy.partition_grads else (lambda b: b.numel)
@@ -149,6 +154,8 @@ class GradientReducer:
         if param not in self._seen:
             self._seen.add(param)
             self._missing[b_idx] -= 1
+            if self._missing[b_idx] == 0 and self.listener is not None:
+                self.listener.on_bucket_ready(b_idx)
         if self._communicating and self._missing[b_idx] == 0:
             self._launch_ready()
 
@@ -264,6 +271,8 @@ class GradientReducer:
         for pending in self._pending:
             self._complete(pending)
         self._reset_pass()
+        if self.listener is not None:
+            self.listener.on_pass_end()
 
     # --------------------------------------------------------------------- optimizer
     def grad_shard(self, b_idx: int) -> torch.Tensor:

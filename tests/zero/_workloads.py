@@ -67,7 +67,11 @@ def engine_run(
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "stage3_param_persistence_threshold": 0,  # shard every block (the model is tiny)
+        },
         "bf16": {"enabled": bf16},
         "gradient_clipping": clip,
     }
@@ -83,7 +87,8 @@ def engine_run(
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(float(total) / (world * gas))
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     state = optimizer.state_bytes()
     engine.destroy()
     return {"losses": losses, "params": params, "state_bytes": state, "steps": engine.global_steps}

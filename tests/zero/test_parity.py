@@ -1,4 +1,4 @@
-"""ZeRO stages 0/1/2 x fp32/bf16 x accumulation 1/2 match single-process training (2 and 4 ranks)."""
+"""ZeRO stages 0-3 x fp32/bf16 x accumulation 1/2 match single-process training (2 and 4 ranks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from tests.distributed.harness import run_world
 from tests.zero import _workloads as w
 
-CONFIGS = [(s, bf16, gas) for s in (0, 1, 2) for bf16 in (False, True) for gas in (1, 2)]
+CONFIGS = [(s, bf16, gas) for s in (0, 1, 2, 3) for bf16 in (False, True) for gas in (1, 2)]
 # fp32: losses agree to rtol 1e-5; parameters to 2e-5 absolute (Adam divides by sqrt(v), so
 # last-bit differences of the reduction order move weights by up to ~1e-5 after 5 steps).
 # bf16: the forward runs on differently-shaped micro-batches, so bf16 rounding differs; Adam

@@ -1,0 +1,323 @@
+"""ZeRO stage 3: parameters partitioned too, gathered per module just in time.
+
+Rajbhandari et al. 2020, section 5.3. The model is cut into *units*: the root module, every
+child of an ``nn.ModuleList`` (a transformer block) and every module marked a leaf with
+``set_z3_leaf_modules``. Each unit's trainable parameters are flat buckets (one per optimizer
+param group and dtype) whose full storage exists only while the unit runs: a forward pre-hook
+all-gathers it, the forward post-hook frees it (``untyped_storage().resize_(0)``, so tensors
+autograd saved keep their identity and see the data again when it is re-gathered), a hook on
+the unit's outputs gathers it again for backward, and it is freed once all of its gradients
+have been reduce-scattered. Between uses each rank holds only its 1/N shard.
+
+Units smaller than ``stage3_param_persistence_threshold`` elements stay gathered (their
+updated shards are all-gathered after each step), as in DeepSpeed.
+
+Before every gather the ranks exchange the unit's index: ranks that run different modules
+(different control flow) get an error naming the modules and ranks instead of a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from slipstream.distributed import comm
+from slipstream.zero.flat import Bucket, _make_bucket
+
+__all__ = ["GatheredParameters", "ShardedStore", "set_z3_leaf_modules", "shard_params_"]
+
+_LEAF_ATTR = "_slipstream_z3_leaf"
+# Each partitioned parameter carries (store, unit index) under this attribute: tensors must
+# not be dict keys here (a lookup may compare them with ==, reading released storage).
+_OWNER_ATTR = "_slipstream_z3_owner"
+
+
+def set_z3_leaf_modules(
+    model: nn.Module, leaf_classes: Sequence[type[nn.Module]]
+) -> list[nn.Module]:
+    """Gather every module of these classes (e.g. a mixture-of-experts block) as one unit.
+
+    Call before ``initialize``. Returns the modules marked.
+    """
+    marked = [m for m in model.modules() if isinstance(m, tuple(leaf_classes))]
+    for m in marked:
+        setattr(m, _LEAF_ATTR, True)
+    return marked
+
+
+@dataclass
+class Unit:
+    """A module whose parameters are gathered and released together."""
+
+    index: int
+    name: str
+    module: nn.Module
+    buckets: list[int] = field(default_factory=list)
+    uses: list[int] = field(default_factory=list)  # units whose parameters this unit's code reads
+    persistent: bool = False
+    gathered: bool = True
+    active: int = 0  # forwards (or GatheredParameters contexts) currently using it
+
+
+def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    units = [("", model)]
+    for name, mod in model.named_modules():
+        if name and getattr(mod, _LEAF_ATTR, False):
+            units.append((name, mod))
+        if isinstance(mod, nn.ModuleList):
+            units.extend((f"{name}.{i}" if name else str(i), child) for i, child in enumerate(mod))
+    seen: set[int] = set()
+    out = []
+    for name, mod in units:
+        if id(mod) not in seen:
+            seen.add(id(mod))
+            out.append((name, mod))
+    return out
+
+
+class ShardedStore:
+    """Parameter placement for stage 3 (the ``ParamStore`` of ``ZeroOptimizer``)."""
+
+    def __init__(self, buckets: list[Bucket], units: list[Unit], dp_group: comm.Group) -> None:
+        self.buckets = buckets
+        self.units = units
+        self.group = dp_group
+        self.dp_rank = comm.get_rank(dp_group)
+        self.dp_size = comm.get_world_size(dp_group)
+        self.partitioned = self.dp_size > 1
+        self.unit_of = {b: u.index for u in units for b in u.buckets}
+        self.shards = [b.flat[b.shard_slice(self.dp_rank)].clone() for b in buckets]
+        self.masters: list[torch.Tensor] | None = None
+        self._ready: set[int] = set()
+        self.handles: list[Any] = []
+
+    # ---------------------------------------------------------------- ParamStore API
+    def owned_range(self, b: int) -> tuple[int, int]:
+        s = self.buckets[b].shard_slice(self.dp_rank)
+        return s.start, s.stop
+
+    def owned(self, b: int) -> torch.Tensor:
+        return self.shards[b]
+
+    def publish(self, b: int) -> object:
+        """After a step: refresh the full storage of units that stay gathered."""
+        if not self.units[self.unit_of[b]].gathered:
+            return None
+        return comm.all_gather_into_tensor(
+            self.buckets[b].flat,
+            self.shards[b],
+            group=self.group,
+            async_op=True,
+            label=f"param_unit{b}",
+        )
+
+    # ------------------------------------------------------------- gather / release
+    def _check_same_unit(self, unit: Unit) -> None:
+        if self.dp_size == 1:
+            return
+        mine = torch.tensor(
+            [unit.index], dtype=torch.int64, device=self.shards[0].device if self.shards else "cpu"
+        )
+        every = mine.new_empty(self.dp_size)
+        comm.all_gather_into_tensor(every, mine, group=self.group, label="unit_check")
+        if bool((every == unit.index).all()):
+            return
+        where: dict[str, list[int]] = {}
+        for rank, idx in enumerate(every.tolist()):
+            label = self.units[idx].name or "<root>" if 0 <= idx < len(self.units) else f"#{idx}"
+            where.setdefault(label, []).append(rank)
+        detail = "; ".join(f"module '{m}' on dp ranks {r}" for m, r in where.items())
+        raise RuntimeError(
+            f"ZeRO-3 ranks diverged: they are gathering different modules ({detail}). Every rank "
+            "must run the same modules in the same order (same control flow); a module that "
+            "only some ranks call must be called on all of them"
+        )
+
+    def gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        self._check_same_unit(unit)
+        for b in unit.buckets:
+            flat = self.buckets[b].flat
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            comm.all_gather_into_tensor(
+                flat, self.shards[b], group=self.group, label=f"param_unit{b}"
+            )
+        unit.gathered = True
+
+    def release(self, unit: Unit) -> None:
+        if not unit.gathered or unit.persistent or unit.active > 0:
+            return
+        for b in unit.buckets:
+            self.buckets[b].flat.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    # ------------------------------------------------------------------- hooks
+    def _pre_forward(self, unit: Unit) -> None:
+        for u in unit.uses:
+            self.units[u].active += 1
+            self.gather(self.units[u])
+
+    def _post_forward(self, unit: Unit, output: Any) -> None:
+        if torch.is_grad_enabled():
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            for t in tensors:
+                t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        for u in unit.uses:
+            self.units[u].active -= 1
+            self.release(self.units[u])
+
+    def _pre_backward(self, unit: Unit) -> None:
+        for u in unit.uses:
+            self.gather(self.units[u])
+
+    def on_bucket_ready(self, b: int) -> None:
+        """Reducer callback: bucket ``b`` got all its gradients; free its unit if done."""
+        unit = self.units[self.unit_of[b]]
+        self._ready.add(b)
+        if all(x in self._ready for x in unit.buckets):
+            self.release(unit)
+
+    def on_pass_end(self) -> None:
+        """Reducer callback at the end of every backward pass."""
+        self._ready = set()
+        self.release_all()
+
+    def install_hooks(self) -> None:
+        handles = self.handles
+        for unit in self.units:
+            if not unit.uses:
+                continue
+            handles.append(
+                unit.module.register_forward_pre_hook(
+                    lambda m, a, unit=unit: self._pre_forward(unit)
+                )
+            )
+            handles.append(
+                unit.module.register_forward_hook(
+                    lambda m, a, out, unit=unit: self._post_forward(unit, out)
+                )
+            )
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    # ------------------------------------------------------------ gathered access
+    @torch.no_grad()
+    def set_full(self, unit: Unit, modifier_dp_rank: int | None) -> None:
+        """After a ``GatheredParameters`` edit: broadcast the modifier's values into the shards."""
+        for b in unit.buckets:
+            flat = self.buckets[b].flat
+            if modifier_dp_rank is not None and self.dp_size > 1:
+                src = comm.global_rank(self.group, modifier_dp_rank)
+                comm.broadcast(flat, src=src, group=self.group, label="gathered_params")
+            self.shards[b].copy_(flat[self.buckets[b].shard_slice(self.dp_rank)])
+            if self.masters is not None and self.masters[b] is not self.shards[b]:
+                self.masters[b].copy_(self.shards[b])
+
+
+def shard_params_(
+    model: nn.Module,
+    groups: Sequence[Sequence[nn.Parameter]],
+    names: dict[nn.Parameter, str],
+    dp_group: comm.Group,
+    persistence_threshold: int,
+) -> tuple[list[Bucket], ShardedStore]:
+    """Partition ``model``'s trainable parameters per unit, in place; install gather hooks.
+
+    Parameters must already be equal on every rank (broadcast first). Frozen parameters stay
+    replicated. Returns the buckets (in expected gradient order) and the store.
+    """
+    dp = comm.get_world_size(dp_group)
+    group_of = {p: gi for gi, plist in enumerate(groups) for p in plist}
+    unit_mods = _unit_modules(model)
+    unit_index = {id(m): i for i, (_, m) in enumerate(unit_mods)}
+    owner: dict[nn.Parameter, int] = {}
+    uses: list[set[int]] = [set() for _ in unit_mods]
+    nearest: dict[int, int] = {}
+    for name, mod in model.named_modules():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        here = unit_index.get(
+            id(mod), nearest.get(id(model.get_submodule(parent)), 0) if name else 0
+        )
+        nearest[id(mod)] = here
+        for p in mod._parameters.values():
+            if p is None or p not in group_of:
+                continue
+            owner.setdefault(p, here)
+            uses[here].add(owner[p])
+    units = [Unit(i, n, m) for i, (n, m) in enumerate(unit_mods)]
+    buckets: list[Bucket] = []
+    for unit in reversed(units):
+        mine = [p for p in owner if owner[p] == unit.index]
+        by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+        for p in mine:
+            by_key.setdefault((group_of[p], p.dtype), []).append(p)
+        for (gi, _), plist in by_key.items():
+            bucket = _make_bucket(len(buckets), gi, plist, names, dp)
+            unit.buckets.append(bucket.index)
+            buckets.append(bucket)
+    for unit in units:
+        unit.uses = sorted(u for u in uses[unit.index] if units[u].buckets)
+        numel = sum(buckets[b].numel for b in unit.buckets)
+        unit.persistent = numel < persistence_threshold
+    return buckets, _finish(buckets, units, dp_group)
+
+
+def _finish(buckets: list[Bucket], units: list[Unit], dp_group: comm.Group) -> ShardedStore:
+    store = ShardedStore(buckets, units, dp_group)
+    store.release_all()
+    store.install_hooks()
+    for b in buckets:
+        for p in b.params:
+            setattr(p, _OWNER_ATTR, (store, store.unit_of[b.index]))
+    return store
+
+
+@contextmanager
+def GatheredParameters(
+    params: nn.Parameter | Sequence[nn.Parameter],
+    modifier_rank: int | None = None,
+    enabled: bool = True,
+) -> Iterator[None]:
+    """Give temporary full access to ZeRO-3 partitioned parameters (DeepSpeed's API).
+
+    Every data-parallel rank must enter it with the same parameters. With ``modifier_rank``,
+    edits made on that data-parallel rank are broadcast to all ranks and kept. Parameters that
+    are not partitioned pass through unchanged.
+    """
+    plist = [params] if isinstance(params, torch.Tensor) else list(params)
+    entries: dict[tuple[int, int], tuple[ShardedStore, Unit]] = {}
+    for p in plist if enabled else []:
+        owner = getattr(p, _OWNER_ATTR, None)
+        if owner is not None:
+            store, idx = owner
+            entries[(id(store), idx)] = (store, store.units[idx])
+    units = [entries[k] for k in sorted(entries)]
+    for store, unit in units:
+        store.gather(unit)
+        unit.active += 1
+    try:
+        yield
+    finally:
+        for store, unit in units:
+            unit.active -= 1
+            if modifier_rank is not None:
+                store.set_full(unit, modifier_rank)
+            store.release(unit)

@@ -1,0 +1,128 @@
+"""ZeRO-3 rank-side checks: tied weights, a module called twice, frozen layers, HF model,
+rank divergence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import slipstream
+from slipstream.models import GPT, GPTConfig
+
+STEPS = 3
+
+
+class TwiceGPT(nn.Module):
+    """Tied embeddings, block 0 applied twice, block 1 frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(GPTConfig.preset("tiny", tie_embeddings=True))
+        for p in self.gpt.layers[1].parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        h = g.embed_tokens(x)
+        t = x.shape[1]
+        cos, sin = g.rope_cos[:t], g.rope_sin[:t]
+        for block in (g.layers[0], g.layers[0], g.layers[1]):
+            h = block(h, cos, sin)
+        logits = g.lm_head(g.norm(h))
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _twice() -> TwiceGPT:
+    torch.manual_seed(0)
+    return TwiceGPT()
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _batches(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        t = torch.randint(0, 256, (2 * world, 17), generator=g)
+        out.append([(t[2 * r : 2 * r + 2, :-1], t[2 * r : 2 * r + 2, 1:]) for r in range(world)])
+    return out
+
+
+def _loss(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, y) if kind == "twice" else model(input_ids=x, labels=y).loss
+
+
+def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
+    model = _twice() if kind == "twice" else _llama()
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01
+    )
+    for step in _batches(world):
+        loss = sum(_loss(kind, model, x, y) for x, y in step) / len(step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def engine_params(kind: str) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _twice() if kind == "twice" else _llama()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, opt, _, _ = slipstream.initialize(model=model, config=config)
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shard = sum(s.numel() for s in opt.store.shards)
+    for step in _batches(world):
+        x, y = step[rank]
+        engine.backward(_loss(kind, engine, x, y))
+        engine.step()
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"params": params, "shard_numel": shard, "total_numel": total}
+
+
+def diverge() -> str:
+    class Skippy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+            for i, layer in enumerate(self.layers):
+                if not (skip and i == 1):
+                    x = layer(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, _, _, _ = slipstream.initialize(model=Skippy(), config=config)
+    try:
+        engine(torch.ones(2, 8), dist.get_rank() == 1)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def all_checks() -> dict[str, Any]:
+    return {"twice": engine_params("twice"), "llama": engine_params("llama"), "diverge": diverge()}
