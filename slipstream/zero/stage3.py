@@ -63,6 +63,7 @@ class Unit:
     persistent: bool = False
     gathered: bool = True
     active: int = 0  # forwards (or GatheredParameters contexts) currently using it
+    pending: list[Any] = field(default_factory=list)  # all-gathers in flight (prefetch)
 
 
 def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -96,6 +97,10 @@ class ShardedStore:
         self.masters: list[torch.Tensor] | None = None
         self._ready: set[int] = set()
         self.handles: list[Any] = []
+        # Unit order of the current and the previous pass, per phase, for prefetching.
+        self._order: dict[str, list[int]] = {"fwd": [], "bwd": []}
+        self._last: dict[str, list[int]] = {"fwd": [], "bwd": []}
+        self._noted: dict[str, set[int]] = {"fwd": set(), "bwd": set()}
 
     # ---------------------------------------------------------------- ParamStore API
     def owned_range(self, b: int) -> tuple[int, int]:
@@ -140,20 +145,48 @@ class ShardedStore:
         )
 
     def gather(self, unit: Unit) -> None:
-        if unit.gathered:
-            return
+        """Make ``unit``'s full parameters available (waits for a prefetch in flight)."""
+        if not unit.gathered:
+            self._start_gather(unit)
+        for work in unit.pending:
+            work.wait()
+        unit.pending = []
+
+    def _start_gather(self, unit: Unit) -> None:
         self._check_same_unit(unit)
         for b in unit.buckets:
             flat = self.buckets[b].flat
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            comm.all_gather_into_tensor(
-                flat, self.shards[b], group=self.group, label=f"param_unit{b}"
+            unit.pending.append(
+                comm.all_gather_into_tensor(
+                    flat, self.shards[b], group=self.group, async_op=True, label=f"param_unit{b}"
+                )
             )
         unit.gathered = True
+
+    def _note(self, phase: str, unit: Unit) -> None:
+        """Record ``unit`` as the next one ``phase`` needs; prefetch the one after it.
+
+        The order is the one this phase followed in the previous pass (forward and backward
+        orders are recorded separately), so a changed control flow only costs a useless
+        prefetch; ranks still agree because they all follow their identical last order.
+        """
+        order, last = self._order[phase], self._last[phase]
+        if unit.index in self._noted[phase]:
+            return
+        self._noted[phase].add(unit.index)
+        order.append(unit.index)
+        if len(order) < len(last):
+            nxt = self.units[last[len(order)]]
+            if not nxt.gathered and nxt.buckets:
+                self._start_gather(nxt)
 
     def release(self, unit: Unit) -> None:
         if not unit.gathered or unit.persistent or unit.active > 0:
             return
+        for work in unit.pending:
+            work.wait()
+        unit.pending = []
         for b in unit.buckets:
             self.buckets[b].flat.untyped_storage().resize_(0)
         unit.gathered = False
@@ -164,6 +197,9 @@ class ShardedStore:
 
     # ------------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:
+        if unit.index == 0:  # the root: a new forward begins
+            self._new_order("fwd")
+        self._note("fwd", unit)
         for u in unit.uses:
             self.units[u].active += 1
             self.gather(self.units[u])
@@ -182,6 +218,7 @@ class ShardedStore:
             self.release(self.units[u])
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._note("bwd", unit)
         for u in unit.uses:
             self.gather(self.units[u])
 
@@ -195,7 +232,14 @@ class ShardedStore:
     def on_pass_end(self) -> None:
         """Reducer callback at the end of every backward pass."""
         self._ready = set()
+        self._new_order("bwd")
         self.release_all()
+
+    def _new_order(self, phase: str) -> None:
+        if self._order[phase]:
+            self._last[phase] = self._order[phase]
+        self._order[phase] = []
+        self._noted[phase] = set()
 
     def install_hooks(self) -> None:
         handles = self.handles
