@@ -423,6 +423,21 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
             "(bf16 needs no loss scaling and is preferred on hardware that supports it)"
         )
     zero = cfg.zero_optimization
+    if zero.stage == 3:
+        defaults = type(zero)()
+        for key in (
+            "stage3_max_reuse_distance",
+            "stage3_model_persistence_threshold",
+            "stage3_module_granularity_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential",
+        ):
+            if getattr(zero, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"zero_optimization.{key} = {getattr(zero, key)!r} is not honoured yet by "
+                    f"slipstream's ZeRO-3 (issue 3): remove it or use the default "
+                    f"{getattr(defaults, key)!r}"
+                )
     for key in ("offload_optimizer", "offload_param"):
         off = getattr(zero, key)
         if off is not None and off.enabled:

@@ -84,9 +84,7 @@ def shard_zero_(
     store: ParamStore
     if cfg.stage == 3:
         _broadcast_from_dp0(model, [], dp_group)
-        buckets, store = shard_params_(
-            model, groups, names, dp_group, cfg.stage3_param_persistence_threshold
-        )
+        buckets, store = shard_params_(model, groups, names, dp_group, cfg)
     else:
         buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)
         _broadcast_from_dp0(model, buckets, dp_group)

@@ -10,7 +10,10 @@ the unit's outputs gathers it again for backward, and it is freed once all of it
 have been reduce-scattered. Between uses each rank holds only its 1/N shard.
 
 Units smaller than ``stage3_param_persistence_threshold`` elements stay gathered (their
-updated shards are all-gathered after each step), as in DeepSpeed.
+updated shards are all-gathered after each step), as in DeepSpeed. While a unit runs, the
+units that followed it in the previous pass (forward and backward orders are recorded
+separately) are prefetched, up to ``stage3_prefetch_bucket_size`` elements (0 disables it)
+and never beyond ``stage3_max_live_parameters`` gathered elements.
 
 Before every gather the ranks exchange the unit's index: ranks that run different modules
 (different control flow) get an error naming the modules and ranks instead of a hang.
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
 from slipstream.zero.flat import Bucket, _make_bucket
 
@@ -101,6 +105,8 @@ class ShardedStore:
         self._order: dict[str, list[int]] = {"fwd": [], "bwd": []}
         self._last: dict[str, list[int]] = {"fwd": [], "bwd": []}
         self._noted: dict[str, set[int]] = {"fwd": set(), "bwd": set()}
+        self.prefetch_numel = 50_000_000  # stage3_prefetch_bucket_size (0 disables prefetch)
+        self.max_live_numel = 1_000_000_000  # stage3_max_live_parameters (caps prefetching)
 
     # ---------------------------------------------------------------- ParamStore API
     def owned_range(self, b: int) -> tuple[int, int]:
@@ -176,10 +182,18 @@ class ShardedStore:
             return
         self._noted[phase].add(unit.index)
         order.append(unit.index)
-        if len(order) < len(last):
-            nxt = self.units[last[len(order)]]
+        budget = self.prefetch_numel
+        for idx in last[len(order) : len(order) + 8]:
+            nxt = self.units[idx]
+            numel = sum(self.buckets[b].numel for b in nxt.buckets)
+            if budget <= 0 or self._live_numel() + numel > self.max_live_numel:
+                break
+            budget -= numel
             if not nxt.gathered and nxt.buckets:
                 self._start_gather(nxt)
+
+    def _live_numel(self) -> int:
+        return sum(self.buckets[b].numel for u in self.units if u.gathered for b in u.buckets)
 
     def release(self, unit: Unit) -> None:
         if not unit.gathered or unit.persistent or unit.active > 0:
@@ -281,7 +295,7 @@ def shard_params_(
     groups: Sequence[Sequence[nn.Parameter]],
     names: dict[nn.Parameter, str],
     dp_group: comm.Group,
-    persistence_threshold: int,
+    cfg: ZeroConfig,
 ) -> tuple[list[Bucket], ShardedStore]:
     """Partition ``model``'s trainable parameters per unit, in place; install gather hooks.
 
@@ -320,8 +334,11 @@ def shard_params_(
     for unit in units:
         unit.uses = sorted(u for u in uses[unit.index] if units[u].buckets)
         numel = sum(buckets[b].numel for b in unit.buckets)
-        unit.persistent = numel < persistence_threshold
-    return buckets, _finish(buckets, units, dp_group)
+        unit.persistent = numel < cfg.stage3_param_persistence_threshold
+    store = _finish(buckets, units, dp_group)
+    store.prefetch_numel = cfg.stage3_prefetch_bucket_size
+    store.max_live_numel = cfg.stage3_max_live_parameters
+    return buckets, store
 
 
 def _finish(buckets: list[Bucket], units: list[Unit], dp_group: comm.Group) -> ShardedStore:

@@ -1029,3 +1029,18 @@ def test_model_dump_round_trip(name: str) -> None:
     ]
     for other in again:
         assert other.model_dump(mode="json") == cfg.model_dump(mode="json")
+
+
+def test_stage3_knobs_not_honoured_yet_are_rejected_when_changed() -> None:
+    """Stage-3 knobs slipstream does not implement are errors unless left at their defaults."""
+    assert (
+        parse_config(
+            _cfg(zero_optimization={"stage": 3, "stage3_max_reuse_distance": 1e9})
+        ).zero_optimization.stage
+        == 3
+    )
+    _error(
+        _cfg(zero_optimization={"stage": 3, "stage3_max_reuse_distance": 0}),
+        "zero_optimization.stage3_max_reuse_distance = 0 is not honoured yet",
+        "issue 3",
+    )
