@@ -206,6 +206,34 @@ class Engine(nn.Module):
         finally:
             self._no_sync = False
 
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write the full model in 16 bits (bf16, or fp16 when fp16 is enabled) as sharded
+        safetensors with an index (Hugging Face layout); every rank must call it.
+
+        ZeRO-3 units are gathered one at a time, so memory stays bounded by one unit.
+        ``save_filename`` is accepted for DeepSpeed compatibility; only safetensors is written.
+        """
+        from slipstream.zero import save_16bit_model
+
+        if exclude_frozen_parameters:
+            raise ValueError("exclude_frozen_parameters=True is not supported yet: pass False")
+        dtype = torch.float16 if self.fp16_enabled() else torch.bfloat16
+        save_16bit_model(self.module, save_dir, dtype=dtype)
+        return True
+
+    @contextmanager
+    def gathered_for_generation(self) -> Iterator[nn.Module]:
+        """Gather ZeRO-3 parameters once for a generation loop (not once per token)."""
+        from slipstream.zero import gathered_model
+
+        with gathered_model(self.module) as module:
+            yield module
+
     def destroy(self) -> None:
         if self.optimizer is not None:
             self.optimizer.destroy()

@@ -12,6 +12,8 @@ from slipstream._logging import log_rank0
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
 from slipstream.runtime.precision import PrecisionPolicy
+from slipstream.zero.estimate import estimate_memory
+from slipstream.zero.export import gathered_model, save_16bit_model
 from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
 from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
 from slipstream.zero.reducer import GradientReducer, ReducePolicy
@@ -22,6 +24,9 @@ __all__ = [
     "GatheredParameters",
     "StepPolicy",
     "ZeroOptimizer",
+    "estimate_memory",
+    "gathered_model",
+    "save_16bit_model",
     "set_z3_leaf_modules",
     "shard_zero_",
 ]

@@ -214,11 +214,11 @@ class ZeroOptimizer:
         )
 
     def master_bytes(self) -> int:
-        """Bytes of master weights held by this rank that are not module storage."""
+        """Bytes of master weights held by this rank that are not parameter storage."""
         return sum(
             m.numel() * m.element_size()
             for m, b in zip(self.masters, self.buckets)
-            if m.untyped_storage().data_ptr() != b.flat.untyped_storage().data_ptr()
+            if m.data_ptr() != self.store.owned(b.index).data_ptr()
         )
 
     # ---------------------------------------------------------------------- the step

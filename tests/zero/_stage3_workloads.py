@@ -124,5 +124,67 @@ def diverge() -> str:
     return "no error"
 
 
-def all_checks() -> dict[str, Any]:
-    return {"twice": engine_params("twice"), "llama": engine_params("llama"), "diverge": diverge()}
+def all_checks(tmp: str) -> dict[str, Any]:
+    return {
+        "twice": engine_params("twice"),
+        "llama": engine_params("llama"),
+        "diverge": diverge(),
+        "estimates": estimates(),
+        "export": save_and_generate(tmp),
+    }
+
+
+def estimates() -> dict[str, Any]:
+    """Runtime model-state bytes vs estimate_memory for stages 0-3, fp32 and bf16."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for bf16 in (False, True):
+            model = GPT(GPTConfig.preset("tiny"))
+            est = slipstream.zero.estimate_memory(
+                model, dist.get_world_size(), stage, param_dtype=torch.bfloat16 if bf16 else None
+            )
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                "bf16": {"enabled": bf16},
+            }
+            engine, opt, _, _ = slipstream.initialize(model=model, config=config)
+            x = torch.randint(0, 256, (2, 16))
+            engine.backward(engine(x, x))
+            engine.step()
+            if stage == 3:
+                params = sum(s.numel() * s.element_size() for s in opt.store.shards)
+            else:
+                params = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+            held = {
+                "params": params,
+                "grads": opt.reducer.grad_bytes(),
+                "master": opt.master_bytes(),
+                "optimizer": opt.state_bytes(),
+            }
+            engine.destroy()
+            out[(stage, bf16)] = (est, held)
+    return out
+
+
+def save_and_generate(tmp: str) -> dict[str, Any]:
+    """save_16bit_model writes every weight (gathered unit by unit) and gathered_for_generation
+    gives full weights for a generation loop."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, _, _, _ = slipstream.initialize(model=model, config=config)
+    engine.save_16bit_model(tmp)
+    with engine.gathered_for_generation() as module:
+        tokens = module.generate(torch.zeros(1, 1, dtype=torch.long), 5, temperature=0.0)
+    engine.destroy()
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig.preset("tiny"))
+    ref_tokens = ref.generate(torch.zeros(1, 1, dtype=torch.long), 5, temperature=0.0)
+    return {"full": full, "tokens": tokens, "ref_tokens": ref_tokens}

@@ -13,8 +13,13 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_world(w.all_checks, 2)
+def export_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("export")
+
+
+@pytest.fixture(scope="module")
+def results(export_dir):
+    return run_world(w.all_checks, 2, str(export_dir))
 
 
 @pytest.mark.parametrize("kind", ["twice", "llama"])
@@ -46,3 +51,35 @@ def test_rank_divergence_is_an_error_naming_modules_and_ranks(results):
             "module 'layers.1' on dp ranks [0]" in msg
             and "module 'layers.2' on dp ranks [1]" in msg
         )
+
+
+def test_memory_estimator_matches_runtime(results):
+    """estimate_memory predicts each model-state category the runtime holds within 5%."""
+    for (stage, bf16), (est, held) in results[0]["estimates"].items():
+        for key, value in held.items():
+            assert abs(value - est[key]) <= 0.05 * max(est[key], 1) + 64, (
+                stage,
+                bf16,
+                key,
+                value,
+                est[key],
+            )
+
+
+def test_save_16bit_model_and_generation_context(results, export_dir):
+    """The export holds every weight in bf16; generation under ZeRO-3 equals the plain model."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = json.loads((export_dir / "model.safetensors.index.json").read_text())
+    loaded = {}
+    for f in set(index["weight_map"].values()):
+        loaded.update(load_file(str(export_dir / f)))
+    full = results[0]["export"]["full"]
+    assert set(full) <= set(loaded)
+    for name, p in full.items():
+        assert loaded[name].dtype == torch.bfloat16
+        torch.testing.assert_close(loaded[name].float(), p.to(torch.bfloat16).float())
+    for r in results:
+        assert torch.equal(r["export"]["tokens"], r["export"]["ref_tokens"])

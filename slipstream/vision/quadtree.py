@@ -1,0 +1,377 @@
+"""Batched, vectorized quadtrees over edge maps (APF step 3, arXiv 2404.09707 sec. III-A).
+
+A node is an axis-aligned square ``(y, x, s)`` with ``s`` a power of two; its score is the
+number of edge pixels inside it, read in O(1) from a summed-area table. Two variants:
+
+* :func:`threshold_quadtree` (the authors' first release): split a node iff its edge count
+  exceeds ``threshold`` and it is shallower than ``max_depth``. Built level by level: one
+  vectorized SAT query per live node and level, so the cost follows the tree, not the image.
+* :func:`fixed_length_quadtree` (the later release): repeatedly split the leaf with the most
+  edges until the sequence holds ``length`` leaves. Because a child never has more edges than
+  its parent, that greedy best-first expansion splits exactly the ``(length - 1) / 3`` nodes
+  with the largest counts (ties: shallower first, then Morton order), so the whole tree is one
+  ``topk`` over the count pyramid: no sequential loop, same result.
+
+Leaves come back in Morton (Z) order -- TL, TR, BL, BR, recursively -- which is the depth-first
+order of the tree, so spatially close leaves are close in the token sequence. Both variants
+return :class:`Leaves`, padded to a common length with flagged empty leaves.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Leaves",
+    "box_counts",
+    "fixed_length_quadtree",
+    "morton_encode",
+    "summed_area_table",
+    "threshold_quadtree",
+    "uniform_leaves",
+]
+
+
+@dataclass(frozen=True)
+class Leaves:
+    """The leaves of one quadtree per image, in Morton order, padded to a common length L.
+
+    Padding entries (``valid`` False) sit at the end of each row with ``y = x = -1`` and
+    ``size = 0``. Valid leaves of one image are pairwise disjoint; unless leaves were dropped
+    to honour a length (threshold variant only) they cover the image exactly.
+    """
+
+    y: Tensor
+    """(B, L) int64: top row of each leaf."""
+    x: Tensor
+    """(B, L) int64: left column of each leaf."""
+    size: Tensor
+    """(B, L) int64: side length, a power of two (0 for padding)."""
+    valid: Tensor
+    """(B, L) bool: False for padding."""
+    image_size: int
+    """Side R of the (square, power-of-two) image the tree partitions."""
+
+    @property
+    def num_leaves(self) -> Tensor:
+        """(B,) int64: number of valid leaves per image."""
+        return self.valid.sum(dim=1)
+
+    @property
+    def length(self) -> int:
+        """L, the padded sequence length."""
+        return self.y.shape[1]
+
+    def centres(self) -> Tensor:
+        """(B, L, 2) float: leaf centres (row, column) divided by R, in [0, 1]; -1 for padding."""
+        c = torch.stack([self.y, self.x], dim=-1).float() + self.size.unsqueeze(-1) / 2.0
+        c = c / self.image_size
+        return torch.where(self.valid.unsqueeze(-1), c, torch.full_like(c, -1.0))
+
+    def depth(self) -> Tensor:
+        """(B, L) int64: log2(R / size), the tree depth of each leaf (0 for padding)."""
+        s = self.size.clamp(min=1)
+        d = (self.image_size // s).float().log2().round().long()
+        return torch.where(self.valid, d, torch.zeros_like(d))
+
+
+def _check_edges(edges: Tensor) -> int:
+    if edges.dim() != 3 or edges.shape[1] != edges.shape[2]:
+        raise ValueError(
+            f"edges must have shape (batch, R, R) with square planes, got {tuple(edges.shape)}; "
+            "resize images to a square power-of-two side first (slipstream.vision.resize_square)"
+        )
+    r = edges.shape[1]
+    if r & (r - 1):
+        raise ValueError(
+            f"edges side R={r} is not a power of two; resize to {1 << (r - 1).bit_length()} "
+            f"or {1 << (r.bit_length() - 1)} with slipstream.vision.resize_square"
+        )
+    return r
+
+
+def _check_min_size(min_size: int, r: int) -> None:
+    if min_size < 1 or min_size & (min_size - 1) or min_size > r:
+        raise ValueError(
+            f"min_size={min_size} must be a power of two between 1 and the image side {r}"
+        )
+
+
+def summed_area_table(edges: Tensor) -> Tensor:
+    """(B, H+1, W+1) inclusive prefix sums of ``edges`` (B, H, W), with a zero first row/column.
+
+    int32 while H*W < 2**31, else int64. ``S[b, i, j]`` counts ``edges[b, :i, :j]``.
+    """
+    b, h, w = edges.shape
+    dtype = torch.int32 if h * w < 2**31 else torch.int64
+    sat = torch.zeros((b, h + 1, w + 1), dtype=dtype, device=edges.device)
+    sat[:, 1:, 1:] = edges.to(dtype).cumsum(1, dtype=dtype).cumsum(2, dtype=dtype)
+    return sat
+
+
+def box_counts(sat: Tensor, b: Tensor, y: Tensor, x: Tensor, s: Tensor | int) -> Tensor:
+    """Edge count of squares ``[y, y+s) x [x, x+s)`` of images ``b``: four SAT reads each (O(1))."""
+    _, hp, wp = sat.shape
+    flat = sat.reshape(-1)
+    base = b * (hp * wp)
+    y2, x2 = y + s, x + s
+    return (
+        flat[base + y2 * wp + x2]
+        - flat[base + y * wp + x2]
+        - flat[base + y2 * wp + x]
+        + flat[base + y * wp + x]
+    ).long()
+
+
+def _level_counts(sat: Tensor, side: int) -> Tensor:
+    """(B, R/side, R/side) edge counts of every aligned square of ``side`` (strided SAT reads)."""
+    s = sat[:, ::side, ::side]
+    return (s[:, 1:, 1:] - s[:, :-1, 1:] - s[:, 1:, :-1] + s[:, :-1, :-1]).long()
+
+
+def _spread_bits(v: Tensor) -> Tensor:
+    v = (v | (v << 16)) & 0x0000FFFF0000FFFF
+    v = (v | (v << 8)) & 0x00FF00FF00FF00FF
+    v = (v | (v << 4)) & 0x0F0F0F0F0F0F0F0F
+    v = (v | (v << 2)) & 0x3333333333333333
+    return (v | (v << 1)) & 0x5555555555555555
+
+
+def morton_encode(row: Tensor, col: Tensor) -> Tensor:
+    """Z-order code of integer cell coordinates (< 2**31): bits interleaved, column lowest.
+
+    Sorting by it visits TL, TR, BL, BR quadrants recursively.
+    """
+    return (_spread_bits(row.long()) << 1) | _spread_bits(col.long())
+
+
+@functools.lru_cache(maxsize=32)
+def _morton_perm(n: int, device: torch.device) -> Tensor:
+    """Raster indices of an n x n grid (n a power of two) listed in Morton order."""
+    r = torch.arange(n, device=device)
+    codes = morton_encode(r.view(-1, 1), r.view(1, -1)).reshape(-1)
+    perm = torch.empty_like(codes)
+    perm[codes] = torch.arange(n * n, device=device)
+    return perm
+
+
+def _pack(b: Tensor, y: Tensor, x: Tensor, s: Tensor, batch: int, r: int, length: int | None):
+    """Sort leaves by (image, Morton code) and lay them out as padded (B, L) rows."""
+    unit = int(s.min()) if s.numel() else r
+    order = torch.argsort(b * (r // unit) ** 2 + morton_encode(y // unit, x // unit))
+    b, y, x, s = b[order], y[order], x[order], s[order]
+    counts = torch.bincount(b, minlength=batch)
+    width = int(counts.max()) if length is None else length
+    start = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(b.numel(), device=b.device) - start[b]
+    out = [torch.full((batch, width), fill, dtype=torch.long, device=b.device) for fill in (-1, -1, 0)]
+    for t, v in zip(out, (y, x, s)):
+        t[b, slot] = v
+    valid = torch.zeros((batch, width), dtype=torch.bool, device=b.device)
+    valid[b, slot] = True
+    return Leaves(y=out[0], x=out[1], size=out[2], valid=valid, image_size=r)
+
+
+def _drop_to_length(leaves: Leaves, length: int, generator: torch.Generator | None) -> Leaves:
+    """Keep a random ``length`` of the valid leaves of every over-long row (Morton order kept)."""
+    noise = torch.rand(leaves.valid.shape, generator=generator, device=leaves.valid.device)
+    noise = torch.where(leaves.valid, noise, torch.full_like(noise, 2.0))
+    keep = torch.argsort(noise, dim=1)[:, :length].sort(dim=1).values
+    take = lambda t: torch.gather(t, 1, keep)  # noqa: E731
+    return Leaves(
+        y=take(leaves.y),
+        x=take(leaves.x),
+        size=take(leaves.size),
+        valid=take(leaves.valid),
+        image_size=leaves.image_size,
+    )
+
+
+def threshold_quadtree(
+    edges: Tensor,
+    threshold: int = 50,
+    *,
+    max_depth: int = 10,
+    min_size: int = 2,
+    max_size: int | None = None,
+    length: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Leaves:
+    """Variant A: split a node iff it holds more than ``threshold`` edge pixels.
+
+    A node of side s at depth d splits iff ``count > threshold`` and ``d < max_depth`` and
+    ``s / 2 >= min_size``, or unconditionally iff ``s > max_size``. Leaf count = 1 + 3 * splits.
+
+    Args:
+        edges: (B, R, R) edge map (bool or 0/1), R a power of two.
+        length: pad every row to exactly this many leaves. Rows with more leaves keep a random
+            subset of ``length`` (the authors' release does this; coverage is then lost, so
+            prefer a larger ``threshold`` or the fixed-length variant). None pads to the
+            longest row of the batch.
+        generator: randomness for dropping leaves.
+
+    Cost: two cumulative sums over the image, then O(1) per visited node.
+    """
+    r = _check_edges(edges)
+    _check_min_size(min_size, r)
+    max_size = r if max_size is None else max_size
+    dev = edges.device
+    sat = summed_area_table(edges)
+    batch = edges.shape[0]
+    b = torch.arange(batch, device=dev)
+    y = torch.zeros(batch, dtype=torch.long, device=dev)
+    x = torch.zeros_like(y)
+    out_b, out_y, out_x, out_s = [], [], [], []
+    side, depth = r, 0
+    while b.numel():
+        split = (
+            (box_counts(sat, b, y, x, side) > threshold)
+            & (depth < max_depth)
+            & (side // 2 >= min_size)
+        )
+        if side > max_size:
+            split = torch.ones_like(split)
+        leaf = ~split
+        out_b.append(b[leaf])
+        out_y.append(y[leaf])
+        out_x.append(x[leaf])
+        out_s.append(torch.full_like(y[leaf], side))
+        half = side // 2
+        dy = torch.tensor([0, 0, half, half], device=dev)
+        dx = torch.tensor([0, half, 0, half], device=dev)
+        b = b[split].repeat_interleave(4)
+        y = (y[split].view(-1, 1) + dy).reshape(-1)
+        x = (x[split].view(-1, 1) + dx).reshape(-1)
+        side, depth = half, depth + 1
+    leaves = _pack(
+        torch.cat(out_b), torch.cat(out_y), torch.cat(out_x), torch.cat(out_s), batch, r, None
+    )
+    if length is None:
+        return leaves
+    if length < 1:
+        raise ValueError(f"length={length} must be >= 1 (or None to pad to the longest row)")
+    if leaves.length > length:
+        return _drop_to_length(leaves, length, generator)
+    return _pad(leaves, length)
+
+
+def _pad(leaves: Leaves, length: int) -> Leaves:
+    extra = length - leaves.length
+    if extra == 0:
+        return leaves
+    pad = lambda t, v: torch.cat([t, torch.full_like(t[:, :1], v).expand(-1, extra)], 1)  # noqa: E731
+    return Leaves(
+        y=pad(leaves.y, -1),
+        x=pad(leaves.x, -1),
+        size=pad(leaves.size, 0),
+        valid=pad(leaves.valid, False),
+        image_size=leaves.image_size,
+    )
+
+
+def fixed_length_quadtree(
+    edges: Tensor, length: int, *, min_size: int = 2, max_size: int | None = None
+) -> Leaves:
+    """Variant B: split the leaf with the most edges until there are exactly ``length`` leaves.
+
+    ``length`` must be 1 mod 3 (each split adds 3 leaves): 64, 196, 256, 385, 1024, 4**k, ...
+    Nodes with no edges and nodes of side ``min_size`` are never split; when the image runs
+    out of such nodes the row is padded (flagged) up to ``length``. Nodes larger than
+    ``max_size`` are split first, whatever their count.
+
+    Equivalent to the greedy loop (see the module docstring) but computed as one ``topk``
+    over the count pyramid of all splittable levels: O(R^2 / min_size^2) memory and time.
+
+    Raises:
+        ValueError: bad shape, ``length`` not 1 mod 3, or ``max_size`` forcing more splits
+            than ``length`` allows.
+    """
+    r = _check_edges(edges)
+    _check_min_size(min_size, r)
+    if length < 1 or length % 3 != 1:
+        near = max(1, length - (length - 1) % 3)
+        raise ValueError(
+            f"length={length} is not 1 mod 3: every split adds 3 leaves, so a full tree has "
+            f"1 + 3k leaves; use length={near} or {near + 3}"
+        )
+    max_size = r if max_size is None else max_size
+    batch, dev = edges.shape[0], edges.device
+    sat = summed_area_table(edges)
+    sides = [r >> d for d in range(r.bit_length()) if (r >> d) >= 2 * min_size]
+    forced_value = r * r + 1  # larger than any real count
+    keys = []
+    for side in sides:
+        c = _level_counts(sat, side).reshape(batch, -1)[:, _morton_perm(r // side, dev)]
+        keys.append(torch.full_like(c, forced_value) if side > max_size else c)
+    budget = (length - 1) // 3
+    forced = sum((r // s) ** 2 for s in sides if s > max_size)
+    if forced > budget:
+        raise ValueError(
+            f"max_size={max_size} forces {forced} splits but length={length} allows only "
+            f"{budget}; raise length to >= {1 + 3 * forced} or max_size"
+        )
+    if not keys or budget == 0:
+        root = torch.zeros(batch, dtype=torch.long, device=dev)
+        leaves = _pack(torch.arange(batch, device=dev), root, root, root + r, batch, r, None)
+        return _pad(leaves, length)
+    count = torch.cat(keys, dim=1)
+    n = count.shape[1]
+    bits = max(1, (n - 1).bit_length())
+    # Ties broken by position in the concatenation: shallower level first, then Morton order.
+    key = (count << bits) | (n - 1 - torch.arange(n, device=dev))
+    top = torch.topk(key, min(budget, n), dim=1)
+    chosen = torch.zeros((batch, n), dtype=torch.bool, device=dev)
+    chosen.scatter_(1, top.indices, (top.values >> bits) > 0)
+    return _leaves_from_splits(chosen, sides, min_size, batch, r, length)
+
+
+def _leaves_from_splits(
+    chosen: Tensor, sides: list[int], min_size: int, batch: int, r: int, length: int
+) -> Leaves:
+    """Leaves = root if unsplit, else children of split nodes that are not split themselves."""
+    dev = chosen.device
+    split_grids, off = [], 0
+    for side in sides:
+        n = r // side
+        flat = torch.zeros((batch, n * n), dtype=torch.bool, device=dev)
+        flat[:, _morton_perm(n, dev)] = chosen[:, off : off + n * n]
+        split_grids.append(flat.view(batch, n, n))
+        off += n * n
+    parts = []
+    parent_split = torch.ones((batch, 1, 1), dtype=torch.bool, device=dev)
+    for side, grid in zip([*sides, sides[-1] // 2], [*split_grids, None]):
+        leaf = parent_split if grid is None else parent_split & ~grid
+        bb, yy, xx = leaf.nonzero(as_tuple=True)
+        parts.append((bb, yy * side, xx * side, torch.full_like(yy, side)))
+        if grid is not None:
+            parent_split = grid.repeat_interleave(2, 1).repeat_interleave(2, 2)
+    cat = [torch.cat([p[i] for p in parts]) for i in range(4)]
+    return _pack(*cat, batch, r, length)
+
+
+@functools.lru_cache(maxsize=32)
+def _uniform_cache(r: int, side: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    n = r // side
+    perm = _morton_perm(n, device)
+    return (perm // n) * side, (perm % n) * side
+
+
+def uniform_leaves(batch: int, image_size: int, side: int, device: torch.device | None = None) -> Leaves:
+    """The uniform grid of ``side`` x ``side`` squares as :class:`Leaves`, in Morton order."""
+    if side < 1 or side & (side - 1) or image_size % side:
+        raise ValueError(
+            f"side={side} must be a power of two dividing image_size={image_size}"
+        )
+    y, x = _uniform_cache(image_size, side, torch.device(device or "cpu"))
+    shape = (batch, y.numel())
+    return Leaves(
+        y=y.expand(shape).clone(),
+        x=x.expand(shape).clone(),
+        size=torch.full(shape, side, dtype=torch.long, device=y.device),
+        valid=torch.ones(shape, dtype=torch.bool, device=y.device),
+        image_size=image_size,
+    )

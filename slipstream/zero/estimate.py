@@ -1,0 +1,68 @@
+"""Per-rank memory of model states under ZeRO, predicted before building anything.
+
+Rajbhandari et al. 2020, section 3 / Figure 1: with mixed-precision Adam a parameter costs
+2 (bf16 weights) + 2-4 (gradient) + 12 (fp32 master + two moments) bytes; ZeRO-1 divides the
+optimizer part by N, ZeRO-2 also the gradients, ZeRO-3 also the weights. The numbers follow
+slipstream's own layout (fp32 gradient accumulation, master copies only when the weights are
+not fp32), so they match what the runtime holds (``tests/zero/test_estimate``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["estimate_memory"]
+
+
+def estimate_memory(
+    model: nn.Module,
+    world: int,
+    stage: int,
+    *,
+    param_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype = torch.float32,
+    grad_dtype: torch.dtype = torch.float32,
+    optimizer_states: int = 2,
+) -> dict[str, int]:
+    """Bytes per data-parallel rank for parameters, gradients, master weights, optimizer states.
+
+    Args:
+        model: the model (may live on the meta device: only shapes and dtypes are read).
+        world: data-parallel size.
+        stage: ZeRO stage 0-3.
+        param_dtype: compute dtype of the weights (default: the model's).
+        master_dtype: dtype of the weights the optimizer updates (fp32 unless
+            ``bf16_master_weights_and_grads``).
+        grad_dtype: gradient accumulation dtype.
+        optimizer_states: state tensors per parameter in the master dtype (Adam: 2, SGD with
+            momentum: 1, Lion: 1).
+    Returns:
+        ``{"params", "grads", "master", "optimizer", "total"}`` in bytes. Transient buffers
+        (reduction staging, gathered ZeRO-3 units, activations) are not included.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    first = next(iter(model.parameters()), None)
+    pdtype = param_dtype or (first.dtype if first is not None else torch.float32)
+    pb = torch.empty((), dtype=pdtype).element_size()
+    mb = torch.empty((), dtype=master_dtype).element_size()
+    gb = torch.empty((), dtype=grad_dtype).element_size()
+    shard = -(-trainable // world)
+    owned = trainable if stage == 0 else shard
+    params = (shard if stage == 3 else trainable) * pb + frozen * pb
+    grads = (shard if stage >= 2 else trainable) * gb
+    master = 0 if master_dtype == pdtype else owned * mb
+    optimizer = optimizer_states * owned * mb
+    total = params + grads + master + optimizer
+    return {
+        "params": params,
+        "grads": grads,
+        "master": master,
+        "optimizer": optimizer,
+        "total": total,
+    }
