@@ -234,13 +234,13 @@ PEERS: dict[str, Peer] = {
         f"deepspeed-z{stage}": Peer(
             partial(_build_deepspeed, stage=stage), _prepare_deepspeed, _deepspeed_unavailable
         )
-        for stage in (0, 1, 2)
+        for stage in (0, 1, 2, 3)
     },
     **{
         f"slipstream-z{stage}": Peer(
             partial(_build_slipstream, stage=stage), _prepare_slipstream, _slipstream_unavailable
         )
-        for stage in (0, 1, 2)
+        for stage in (0, 1, 2, 3)
     },
 }
 """Every framework the benchmark knows, by its ``--frameworks`` name."""

@@ -32,8 +32,8 @@ from slipstream.models import GPT, GPTConfig
 __all__ = ["build_gpt", "format_table", "gpt_config", "main", "run"]
 
 DEFAULT_FRAMEWORKS = (
-    "ddp,fsdp2,fsdp2-noreshard,deepspeed-z0,deepspeed-z1,deepspeed-z2,"
-    "slipstream-z0,slipstream-z1,slipstream-z2"
+    "ddp,fsdp2,fsdp2-noreshard,deepspeed-z0,deepspeed-z1,deepspeed-z2,deepspeed-z3,"
+    "slipstream-z0,slipstream-z1,slipstream-z2,slipstream-z3"
 )
 _MB = 2**20
 
