@@ -438,13 +438,21 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
                     f"slipstream's ZeRO-3 (issue 3): remove it or use the default "
                     f"{getattr(defaults, key)!r}"
                 )
-    for key in ("offload_optimizer", "offload_param"):
-        off = getattr(zero, key)
-        if off is not None and off.enabled:
-            raise ConfigError(
-                f"zero_optimization.{key}.device = '{off.device}' is not implemented yet; "
-                "CPU/NVMe offload arrives with issue 3. Set device to 'none' or remove the block"
-            )
+    if zero.offload_param is not None and zero.offload_param.enabled:
+        raise ConfigError(
+            f"zero_optimization.offload_param.device = '{zero.offload_param.device}' is not "
+            "implemented yet; parameter offload arrives with issue 3. Remove the block"
+        )
+    off = zero.offload_optimizer
+    if off is not None and off.device == "nvme" and not off.nvme_path:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device = 'nvme' needs nvme_path: a directory "
+            "on a fast local disk for the swap files"
+        )
+    if off is not None and off.ratio != 1.0:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.ratio < 1 (partial offload) is not implemented yet"
+        )
     zpp = {
         "zero_quantized_weights": zero.zero_quantized_weights,
         "zero_quantized_nontrainable_weights": zero.zero_quantized_nontrainable_weights,

@@ -104,6 +104,7 @@ def initialize(
             predivide_factor=cfg.gradient_predivide_factor,
             sub_group_size=cfg.zero_optimization.sub_group_size,
             allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
+            swap_dir=_swap_dir(cfg, device),
         )
         zero_opt = shard_zero_(
             model, group, cfg.zero_optimization, policy, groups, make_optimizer, step
@@ -130,6 +131,24 @@ def initialize(
         cfg.batch,
     )
     return engine, zero_opt, loader, scheduler
+
+
+def _swap_dir(cfg: SlipstreamConfig, device: torch.device) -> str | None:
+    """Where optimizer states are swapped (``offload_optimizer``), if anywhere."""
+    off = cfg.zero_optimization.offload_optimizer
+    if off is None or not off.enabled:
+        return None
+    if off.device == "cpu":
+        if device.type != "cpu":
+            raise ConfigError(
+                "zero_optimization.offload_optimizer.device = 'cpu' on a GPU is not implemented "
+                "yet (issue 3): use 'nvme' or remove the block"
+            )
+        log_rank0(
+            "offload_optimizer.device='cpu': training runs on the CPU, states are already there"
+        )
+        return None
+    return off.nvme_path
 
 
 def _pick_config(args: Any, config: Any, config_params: Any) -> Any:

@@ -26,6 +26,7 @@ from slipstream.optim.kinds import optimizer_kind
 from slipstream.runtime.precision import LossScaler
 from slipstream.zero.flat import Bucket, ParamStore
 from slipstream.zero.reducer import GradientReducer
+from slipstream.zero.swap import TensorSwapper
 
 __all__ = ["OPTIMIZER_CHUNK", "StepPolicy", "ZeroOptimizer"]
 
@@ -44,6 +45,8 @@ class StepPolicy:
         predivide_factor: see ``prescale_gradients``.
         sub_group_size: largest tensor handed to an elementwise optimizer.
         allow_untested_optimizer: accept optimizer classes not known to be elementwise.
+        swap_dir: keep optimizer states (and separate fp32 masters) in files here between
+            steps (``offload_optimizer.device = "nvme"``).
     """
 
     loss_scaler: LossScaler
@@ -53,6 +56,7 @@ class StepPolicy:
     predivide_factor: float = 1.0
     sub_group_size: int = OPTIMIZER_CHUNK
     allow_untested_optimizer: bool = False
+    swap_dir: str | None = None
 
 
 class ZeroOptimizer:
@@ -111,6 +115,52 @@ class ZeroOptimizer:
             self._split_views(max(1, min(step.sub_group_size, OPTIMIZER_CHUNK)))
         self.global_grad_norm: float | None = None
         self.overflow = False
+        self.swapper: TensorSwapper | None = None
+        self._small_state: dict[tuple[int, int, str], Any] = {}
+        if step.swap_dir is not None:
+            self.swapper = TensorSwapper(step.swap_dir, comm.get_rank())
+            for index in range(len(self.buckets)):
+                self._swap_out(index)
+
+    def _separate_master(self, b: int) -> bool:
+        return self.masters[b].data_ptr() != self.store.owned(b).data_ptr()
+
+    def _swap_in(self, b: int) -> None:
+        """Load bucket ``b``'s master (if separate) and optimizer states from their files."""
+        assert self.swapper is not None
+        if f"m{b}" in self.swapper:
+            master = self.swapper.read(f"m{b}")["master"]
+            self.masters[b] = master
+            for view, c in zip(self._views[b], self._chunks[b]):
+                view.data = master[c]
+        if f"s{b}" in self.swapper:
+            states = self.swapper.read(f"s{b}")
+            for i, view in enumerate(self._views[b]):
+                entry = {
+                    k.split(".", 1)[1]: v for k, v in states.items() if k.split(".", 1)[0] == str(i)
+                }
+                entry.update(
+                    {k: v for (bb, ii, k), v in self._small_state.items() if (bb, ii) == (b, i)}
+                )
+                self.optimizer.state[view] = entry
+
+    def _swap_out(self, b: int) -> None:
+        """Write bucket ``b``'s states (and separate master) to files and free their memory."""
+        assert self.swapper is not None
+        tensors = {}
+        for i, view in enumerate(self._views[b]):
+            for k, v in self.optimizer.state.pop(view, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{i}.{k}"] = v
+                else:
+                    self._small_state[(b, i, k)] = v
+        if tensors:
+            self.swapper.write(f"s{b}", tensors)
+        if self._separate_master(b):
+            self.swapper.write(f"m{b}", {"master": self.masters[b]})
+            self.masters[b] = self.masters[b].new_empty(0)
+            for view in self._views[b]:
+                view.data = self.masters[b]
 
     def _segments(self, bucket: Bucket) -> list[slice]:
         """Each parameter's slice of this rank's master region (whole bucket at stage 0)."""
@@ -188,6 +238,11 @@ class ZeroOptimizer:
         self.reducer.zero()
 
     def state_dict(self) -> dict[str, Any]:
+        if self.swapper is not None:
+            raise RuntimeError(
+                "state_dict() with offload_optimizer.device = 'nvme' is not supported yet "
+                "(checkpointing of swapped states arrives with issue 4)"
+            )
         return {
             "optimizer": self.optimizer.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict(),
@@ -244,6 +299,8 @@ class ZeroOptimizer:
         for b, grad in enumerate(grads):
             if coef != 1.0:
                 grad.mul_(coef)
+            if self.swapper is not None:
+                self._swap_in(b)
             for view, c in zip(self._views[b], self._chunks[b]):
                 g = grad[c]
                 view.grad = g if g.dtype == view.dtype else g.to(view.dtype)
@@ -251,6 +308,8 @@ class ZeroOptimizer:
             for view in self._views[b]:
                 view.grad = None
             works.append(self._publish(b))
+            if self.swapper is not None:
+                self._swap_out(b)
         for w in works:
             if w is not None:
                 w.wait()

@@ -287,6 +287,11 @@ class ShardedStore:
                 comm.broadcast(flat, src=src, group=self.group, label="gathered_params")
             self.shards[b].copy_(flat[self.buckets[b].shard_slice(self.dp_rank)])
             if self.masters is not None and self.masters[b] is not self.shards[b]:
+                if self.masters[b].numel() != self.shards[b].numel():
+                    raise RuntimeError(
+                        "GatheredParameters(modifier_rank=...) cannot edit weights whose fp32 "
+                        "masters are swapped to NVMe (offload_optimizer.device = 'nvme') yet"
+                    )
                 self.masters[b].copy_(self.shards[b])
 
 

@@ -650,19 +650,15 @@ def test_alias_zero_optimization_bool(flag: bool, stage: int) -> None:
     assert cfg.zero_optimization.stage == stage
 
 
-def test_alias_cpu_offload_then_rejected_for_issue_3() -> None:
-    """``cpu_offload: true`` becomes ``offload_optimizer`` (warned), which waits for issue 3."""
-    with (
-        pytest.warns(
-            DeprecationWarning,
-            match="'zero_optimization.cpu_offload' is deprecated; use 'zero_optimization.offload_optimizer'",
-        ),
-        pytest.raises(ConfigError) as info,
+def test_alias_cpu_offload_becomes_offload_optimizer() -> None:
+    """``cpu_offload: true`` becomes ``offload_optimizer: {device: cpu}`` (warned)."""
+    with pytest.warns(
+        DeprecationWarning,
+        match="'zero_optimization.cpu_offload' is deprecated; use 'zero_optimization.offload_optimizer'",
     ):
-        parse_config(_cfg(zero_optimization={"stage": 2, "cpu_offload": True}))
-    msg = str(info.value)
-    assert "zero_optimization.offload_optimizer.device = 'cpu'" in msg
-    assert "issue 3" in msg
+        cfg = parse_config(_cfg(zero_optimization={"stage": 2, "cpu_offload": True}))
+    assert cfg.zero_optimization.offload_optimizer is not None
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
 
 
 def test_alias_cpu_offload_false_is_dropped() -> None:
@@ -754,17 +750,26 @@ def test_zeropp_keys_at_defaults_accepted() -> None:
     assert parse_config(_cfg(zero_optimization=zero)).zero_optimization.stage == 2
 
 
-@pytest.mark.parametrize("block", ["offload_optimizer", "offload_param"])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_offload_rejected_mentions_issue_3(block: str, device: str) -> None:
-    """Offload to CPU or NVMe is refused until issue 3; device "none" is accepted."""
+def test_offload_param_rejected_mentions_issue_3(device: str) -> None:
+    """Parameter offload is refused until issue 3; device "none" is accepted."""
     _error(
-        _cfg(zero_optimization={"stage": 2, block: {"device": device}}),
-        f"zero_optimization.{block}.device = '{device}' is not implemented yet",
+        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": device}}),
+        f"zero_optimization.offload_param.device = '{device}' is not implemented yet",
         "issue 3",
     )
-    cfg = parse_config(_cfg(zero_optimization={"stage": 2, block: {"device": "none"}}))
-    assert not getattr(cfg.zero_optimization, block).enabled
+    cfg = parse_config(_cfg(zero_optimization={"stage": 3, "offload_param": {"device": "none"}}))
+    assert not cfg.zero_optimization.offload_param.enabled
+
+
+def test_offload_optimizer_nvme_needs_a_path() -> None:
+    """NVMe optimizer offload needs nvme_path; with it the block is accepted."""
+    _error(
+        _cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
+        "offload_optimizer.device = 'nvme' needs nvme_path",
+    )
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/swap"}}
+    assert parse_config(_cfg(zero_optimization=zero)).zero_optimization.offload_optimizer.enabled
 
 
 @pytest.mark.parametrize(
