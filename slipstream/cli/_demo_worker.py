@@ -119,14 +119,15 @@ def main() -> None:
             f"{engine.global_steps * tokens_per_step / elapsed:,.0f} tokens/s over {dist.get_world_size()} ranks",
             flush=True,
         )
-        prompt = "def "
-        ids = torch.tensor([tokenizer.encode(prompt)], device=engine.device)
-        gen = torch.Generator(device=engine.device).manual_seed(args.seed)
-        engine.eval()
-        out = engine.module.generate(
-            ids, args.sample_tokens, temperature=0.8, top_k=40, generator=gen
-        )
-        print("sample:\n" + tokenizer.decode(out[0].tolist()), flush=True)
+    # Every rank gathers the (ZeRO-3 partitioned) weights once; rank 0 samples with them.
+    engine.eval()
+    with engine.gathered_for_generation() as module:
+        if rank == 0:
+            ids = torch.tensor([tokenizer.encode("def ")], device=engine.device)
+            gen = torch.Generator(device=engine.device).manual_seed(args.seed)
+            out = module.generate(ids, args.sample_tokens, temperature=0.8, top_k=40, generator=gen)
+            print("sample:\n" + tokenizer.decode(out[0].tolist()), flush=True)
+        dist.barrier()
     dist.barrier()
     dist.destroy_process_group()
 

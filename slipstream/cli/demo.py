@@ -34,7 +34,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     p.add_argument(
-        "--zero-stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage (default 2)"
+        "--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)"
     )
     p.add_argument(
         "--micro-batch", type=int, default=4, help="sequences per rank per step (default 4)"

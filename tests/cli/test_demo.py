@@ -18,7 +18,7 @@ def test_demo_tiny_runs_end_to_end():
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "world 2, ZeRO-2" in out
+    assert "world 2, ZeRO-3" in out
     match = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", out)
     assert match, out[-2000:]
     before, after = float(match.group(1)), float(match.group(2))
