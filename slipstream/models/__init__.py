@@ -1,5 +1,6 @@
-"""Reference models: a LLaMA-style decoder used by the demo, tests and benchmarks."""
+"""Reference models: a LLaMA-style decoder and a ViT segmenter (adaptive patching)."""
 
 from slipstream.models.gpt import GPT, GPTConfig
+from slipstream.models.vit import ViTSegConfig, ViTSegmenter
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "ViTSegConfig", "ViTSegmenter"]

@@ -38,7 +38,7 @@ class SimpleXConfig:
     """At most this many train items per user are mean-pooled into p_u."""
     l2: float = 1e-6
     """L2 weight on the embedding rows each sample touches (user, positive, negatives)."""
-    init_std: float = 0.1
+    init_std: float = 0.01
     """Embeddings start as N(0, init_std²); W starts Xavier-normal."""
 
     def __post_init__(self) -> None:
@@ -62,10 +62,11 @@ class HEATConfig:
     the same amount whatever the thread count or ``batch_size``.
     """
 
-    lr: float = 0.05
+    lr: float = 0.03
     """SGD step size per sample."""
     num_threads: int = 2
-    """Worker threads (numba backend) or torch intra-op threads (torch backend)."""
+    """Worker threads, each running its own chunk of the samples (numba backend), or
+    torch intra-op threads (torch backend)."""
     backend: str = "auto"
     """``"numba"`` (per-sample lock-free kernel, HEAT §4), ``"torch"`` (vectorized batches,
     no autograd) or ``"auto"``: numba when importable, else torch (logged once)."""

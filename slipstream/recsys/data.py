@@ -161,7 +161,7 @@ def split_per_user(
         if len(items) == 0:
             continue
         items = rng.permutation(items)
-        n_test = int(round(test_fraction * len(items)))
+        n_test = round(test_fraction * len(items))
         n_test = min(max(n_test, 1 if len(items) >= 2 else 0), len(items) - 1)
         user_col = np.full(len(items), u, dtype=np.int64)
         test_parts.append(np.stack([user_col[:n_test], items[:n_test]], 1))

@@ -134,5 +134,5 @@ def train_reference_epoch(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        total, steps = total + float(loss), steps + 1
+        total, steps = total + loss.item(), steps + 1
     return total / max(steps, 1)

@@ -23,6 +23,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -66,6 +67,32 @@ class Leaves:
         """L, the padded sequence length."""
         return self.y.shape[1]
 
+    def select(self, index: Tensor | slice) -> Leaves:
+        """The leaves of a subset of the images (``index`` into the batch axis)."""
+        return Leaves(
+            y=self.y[index],
+            x=self.x[index],
+            size=self.size[index],
+            valid=self.valid[index],
+            image_size=self.image_size,
+        )
+
+    @staticmethod
+    def cat(parts: list[Leaves]) -> Leaves:
+        """Concatenate along the batch axis (same L and image size required)."""
+        if len({(p.length, p.image_size) for p in parts}) != 1:
+            raise ValueError(
+                "Leaves.cat needs equal length and image_size, got "
+                f"{[(p.length, p.image_size) for p in parts]}; pad with a fixed length"
+            )
+        return Leaves(
+            y=torch.cat([p.y for p in parts]),
+            x=torch.cat([p.x for p in parts]),
+            size=torch.cat([p.size for p in parts]),
+            valid=torch.cat([p.valid for p in parts]),
+            image_size=parts[0].image_size,
+        )
+
     def centres(self) -> Tensor:
         """(B, L, 2) float: leaf centres (row, column) divided by R, in [0, 1]; -1 for padding."""
         c = torch.stack([self.y, self.x], dim=-1).float() + self.size.unsqueeze(-1) / 2.0
@@ -101,16 +128,58 @@ def _check_min_size(min_size: int, r: int) -> None:
         )
 
 
-def summed_area_table(edges: Tensor) -> Tensor:
-    """(B, H+1, W+1) inclusive prefix sums of ``edges`` (B, H, W), with a zero first row/column.
+def _pool_cells(edges: Tensor, cell: int) -> Tensor:
+    """(B, R/cell, R/cell) int32 edge counts of the aligned ``cell`` x ``cell`` squares."""
+    x = edges.to(torch.int32) if cell == 1 else edges
+    while cell > 1:
+        x = (
+            x[:, 0::2, 0::2].to(torch.int32)
+            + x[:, 1::2, 0::2]
+            + x[:, 0::2, 1::2]
+            + x[:, 1::2, 1::2]
+        )
+        cell //= 2
+    return x
 
-    int32 while H*W < 2**31, else int64. ``S[b, i, j]`` counts ``edges[b, :i, :j]``.
+
+def _column_scan_(x: Tensor, block: int = 64) -> Tensor:
+    """In-place inclusive prefix sum along dim 1 of (B, H, W).
+
+    Blocked (``block`` row adds inside blocks, one short ``cumsum`` over block totals):
+    ``cumsum(dim=1)`` on a non-innermost axis is several times slower on CPU.
     """
-    b, h, w = edges.shape
+    b, h, w = x.shape
+    if h % block or not x.is_contiguous():
+        return x.copy_(x.cumsum(1, dtype=x.dtype))
+    v = x.view(b, h // block, block, w)
+    for i in range(1, block):
+        v[:, :, i] += v[:, :, i - 1]
+    totals = v[:, :, -1].cumsum(1, dtype=x.dtype)
+    v[:, 1:] += totals[:, :-1].unsqueeze(2)
+    return x
+
+
+def _check_max_size(max_size: int | None, min_size: int, r: int) -> int:
+    if max_size is None:
+        return r
+    if max_size < min_size or max_size & (max_size - 1):
+        raise ValueError(
+            f"max_size={max_size} must be a power of two >= min_size={min_size} (or None)"
+        )
+    return max_size
+
+
+def summed_area_table(edges: Tensor, cell: int = 1) -> Tensor:
+    """(B, H/cell + 1, W/cell + 1) prefix sums of ``edges`` (B, H, W), zero first row/column.
+
+    ``S[b, i, j]`` counts ``edges[b, :i*cell, :j*cell]``; with ``cell > 1`` (a power of two
+    dividing H and W) the table only answers queries aligned to the ``cell`` grid, at
+    1/cell**2 of the memory. int32 while H*W < 2**31, else int64.
+    """
+    h, w = edges.shape[-2:]
     dtype = torch.int32 if h * w < 2**31 else torch.int64
-    sat = torch.zeros((b, h + 1, w + 1), dtype=dtype, device=edges.device)
-    sat[:, 1:, 1:] = edges.to(dtype).cumsum(1, dtype=dtype).cumsum(2, dtype=dtype)
-    return sat
+    sums = _pool_cells(edges, cell).to(dtype).cumsum(2, dtype=dtype)
+    return F.pad(_column_scan_(sums), (1, 0, 1, 0))
 
 
 def box_counts(sat: Tensor, b: Tensor, y: Tensor, x: Tensor, s: Tensor | int) -> Tensor:
@@ -159,7 +228,9 @@ def _morton_perm(n: int, device: torch.device) -> Tensor:
     return perm
 
 
-def _pack(b: Tensor, y: Tensor, x: Tensor, s: Tensor, batch: int, r: int, length: int | None):
+def _pack(
+    b: Tensor, y: Tensor, x: Tensor, s: Tensor, batch: int, r: int, length: int | None
+) -> Leaves:
     """Sort leaves by (image, Morton code) and lay them out as padded (B, L) rows."""
     unit = int(s.min()) if s.numel() else r
     order = torch.argsort(b * (r // unit) ** 2 + morton_encode(y // unit, x // unit))
@@ -168,7 +239,9 @@ def _pack(b: Tensor, y: Tensor, x: Tensor, s: Tensor, batch: int, r: int, length
     width = int(counts.max()) if length is None else length
     start = torch.cumsum(counts, 0) - counts
     slot = torch.arange(b.numel(), device=b.device) - start[b]
-    out = [torch.full((batch, width), fill, dtype=torch.long, device=b.device) for fill in (-1, -1, 0)]
+    out = [
+        torch.full((batch, width), fill, dtype=torch.long, device=b.device) for fill in (-1, -1, 0)
+    ]
     for t, v in zip(out, (y, x, s)):
         t[b, slot] = v
     valid = torch.zeros((batch, width), dtype=torch.bool, device=b.device)
@@ -178,7 +251,9 @@ def _pack(b: Tensor, y: Tensor, x: Tensor, s: Tensor, batch: int, r: int, length
 
 def _drop_to_length(leaves: Leaves, length: int, generator: torch.Generator | None) -> Leaves:
     """Keep a random ``length`` of the valid leaves of every over-long row (Morton order kept)."""
-    noise = torch.rand(leaves.valid.shape, generator=generator, device=leaves.valid.device)
+    dev = leaves.valid.device
+    gen_dev = generator.device if generator is not None else dev
+    noise = torch.rand(leaves.valid.shape, generator=generator, device=gen_dev).to(dev)
     noise = torch.where(leaves.valid, noise, torch.full_like(noise, 2.0))
     keep = torch.argsort(noise, dim=1)[:, :length].sort(dim=1).values
     take = lambda t: torch.gather(t, 1, keep)  # noqa: E731
@@ -218,9 +293,9 @@ def threshold_quadtree(
     """
     r = _check_edges(edges)
     _check_min_size(min_size, r)
-    max_size = r if max_size is None else max_size
+    max_size = _check_max_size(max_size, min_size, r)
     dev = edges.device
-    sat = summed_area_table(edges)
+    sat = summed_area_table(edges, min_size)
     batch = edges.shape[0]
     b = torch.arange(batch, device=dev)
     y = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -229,7 +304,7 @@ def threshold_quadtree(
     side, depth = r, 0
     while b.numel():
         split = (
-            (box_counts(sat, b, y, x, side) > threshold)
+            (box_counts(sat, b, y // min_size, x // min_size, side // min_size) > threshold)
             & (depth < max_depth)
             & (side // 2 >= min_size)
         )
@@ -298,14 +373,14 @@ def fixed_length_quadtree(
             f"length={length} is not 1 mod 3: every split adds 3 leaves, so a full tree has "
             f"1 + 3k leaves; use length={near} or {near + 3}"
         )
-    max_size = r if max_size is None else max_size
+    max_size = _check_max_size(max_size, min_size, r)
     batch, dev = edges.shape[0], edges.device
-    sat = summed_area_table(edges)
+    sat = summed_area_table(edges, min_size)
     sides = [r >> d for d in range(r.bit_length()) if (r >> d) >= 2 * min_size]
     forced_value = r * r + 1  # larger than any real count
     keys = []
     for side in sides:
-        c = _level_counts(sat, side).reshape(batch, -1)[:, _morton_perm(r // side, dev)]
+        c = _level_counts(sat, side // min_size).reshape(batch, -1)[:, _morton_perm(r // side, dev)]
         keys.append(torch.full_like(c, forced_value) if side > max_size else c)
     budget = (length - 1) // 3
     forced = sum((r // s) ** 2 for s in sides if s > max_size)
@@ -349,8 +424,8 @@ def _leaves_from_splits(
         parts.append((bb, yy * side, xx * side, torch.full_like(yy, side)))
         if grid is not None:
             parent_split = grid.repeat_interleave(2, 1).repeat_interleave(2, 2)
-    cat = [torch.cat([p[i] for p in parts]) for i in range(4)]
-    return _pack(*cat, batch, r, length)
+    b, y, x, s = (torch.cat([p[i] for p in parts]) for i in range(4))
+    return _pack(b, y, x, s, batch, r, length)
 
 
 @functools.lru_cache(maxsize=32)
@@ -360,12 +435,12 @@ def _uniform_cache(r: int, side: int, device: torch.device) -> tuple[Tensor, Ten
     return (perm // n) * side, (perm % n) * side
 
 
-def uniform_leaves(batch: int, image_size: int, side: int, device: torch.device | None = None) -> Leaves:
+def uniform_leaves(
+    batch: int, image_size: int, side: int, device: torch.device | None = None
+) -> Leaves:
     """The uniform grid of ``side`` x ``side`` squares as :class:`Leaves`, in Morton order."""
     if side < 1 or side & (side - 1) or image_size % side:
-        raise ValueError(
-            f"side={side} must be a power of two dividing image_size={image_size}"
-        )
+        raise ValueError(f"side={side} must be a power of two dividing image_size={image_size}")
     y, x = _uniform_cache(image_size, side, torch.device(device or "cpu"))
     shape = (batch, y.numel())
     return Leaves(

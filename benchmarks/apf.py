@@ -1,0 +1,344 @@
+"""Adaptive patching (APF) vs uniform patching at 1K-8K pixels a side.
+
+Usage::
+
+    python benchmarks/apf.py [--sizes 1024,4096,8192] [--length 1024] [--patch 8]
+        [--sections tokens,time,prep,dice,positions] [--dice-steps 150] [--json out.json]
+
+Sections (all in one process, candidate and baseline in the same run):
+
+* ``tokens``: per image (synthetic blobs with exact masks; the bundled IHC slide rescaled
+  bicubically, Canny thresholds 100/200 transferred from its native 512^2 as fractions of
+  the peak gradient)
+  the APF token count of both quadtree variants vs uniform patches at the same minimum patch
+  size (the smallest leaf APF produced), and the ratio.
+* ``time``: forward+backward of the same ViT on L adaptive tokens vs the (R/P)**2 uniform
+  P x P patches. Uniform lengths above ``--max-measured`` tokens are extrapolated from a fit
+  t(N) = a N + b N**2 over measured lengths (marked "fit").
+* ``prep``: APF preprocessing (edges + tree + image and mask tokens) per image as a
+  fraction of one training step (forward + backward + AdamW) on its tokens, per model size.
+* ``dice``: adaptive vs uniform tokens at equal budget L and patch size P, same model, same
+  steps (slipstream engine), Dice at full resolution on held-out images.
+* ``positions``: slot vs slot+geometry vs geometry embeddings on adaptive tokens (first size).
+
+Timings use ``--threads`` intra-op threads (default 1: stable on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from slipstream.models.vit import ViTSegConfig, ViTSegmenter
+from slipstream.vision import (
+    AdaptivePatcher,
+    APFConfig,
+    PatchBatch,
+    TokenSet,
+    bundled_image,
+    evaluate_dice,
+    oracle_dice,
+    resize_square,
+    synthetic_blobs,
+    train_segmenter,
+)
+from slipstream.vision.edges import _sobel, gaussian_blur, to_grey
+from slipstream.vision.quadtree import Leaves
+
+__all__ = ["main"]
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _ihc_relative_thresholds() -> tuple[float, float]:
+    """Canny 100/200 at the slide's native 512^2, as fractions of its peak gradient.
+
+    Upsampling divides every gradient by the scale factor, so fixed thresholds find no edge
+    in the slide at 8K; fractions of the peak transfer the native-resolution edge map.
+    """
+    grey = gaussian_blur(to_grey(bundled_image("immunohistochemistry")).round(), kernel_size=3)
+    gi, gj = _sobel(grey)
+    peak = float((gi.abs() + gj.abs()).max())
+    return 100.0 / peak, 200.0 / peak
+
+
+def _image(kind: str, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if kind == "synthetic":
+        return synthetic_blobs(1, size, seed=seed)
+    return resize_square(bundled_image("immunohistochemistry"), size, "bicubic"), None
+
+
+def _patcher(kind: str, variant: str, args: argparse.Namespace, size: int) -> AdaptivePatcher:
+    extra: dict[str, Any] = {}
+    if kind == "ihc":
+        lo, hi = _ihc_relative_thresholds()
+        extra = dict(canny_relative=True, canny_low=lo, canny_high=hi)
+    depth = (size // 2).bit_length() - 1
+    if variant == "threshold":
+        return AdaptivePatcher(
+            APFConfig(
+                patch_size=args.patch, variant="threshold", length=None, max_depth=depth, **extra
+            )
+        )
+    return AdaptivePatcher(APFConfig(patch_size=args.patch, length=args.length, **extra))
+
+
+def section_tokens(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """APF token counts vs uniform patches at the same minimum patch size."""
+    rows = []
+    for size in args.sizes:
+        for kind in ("synthetic", "ihc"):
+            img, _ = _image(kind, size)
+            for variant in ("threshold", "fixed_length"):
+                patcher = _patcher(kind, variant, args, size)
+                t_edges, edges = _timed(lambda p=patcher, i=img: p.edges(i))
+                t_tree, leaves = _timed(lambda p=patcher, e=edges: p.tree(e))
+                sizes = leaves.size[leaves.valid]
+                smin = int(sizes.min())
+                n = int(leaves.num_leaves[0])
+                uni = (size // smin) ** 2
+                rows.append(dict(size=size, image=kind, variant=variant, edge_px=int(edges.sum()),
+                                 tokens=n, min_leaf=smin, max_leaf=int(sizes.max()),
+                                 uniform_at_min=uni, ratio=uni / n,
+                                 uniform_p2=(size // 2) ** 2, edges_s=t_edges, tree_s=t_tree))  # fmt: skip
+                print(f"  tokens  {size:>5} {kind:<9} {variant:<12} tokens {n:>6}  min leaf {smin:>3}  "
+                      f"uniform@min {uni:>9,}  ratio {uni / n:8.1f}x", flush=True)  # fmt: skip
+            del img
+    return rows
+
+
+def _fwd_bwd_s(model: ViTSegmenter, n: int, reps: int) -> float:
+    p, c = model.config.patch_size, model.config.in_channels
+    tokens = torch.rand(1, n, c, p, p)
+    times = []
+    for i in range(reps + 1):
+        model.zero_grad(set_to_none=True)
+        t, _ = _timed(lambda: model(tokens).float().mean().backward())
+        if i:
+            times.append(t)
+    return statistics.median(times)
+
+
+def _fit_linear_quadratic(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """Least squares t = a N + b N**2 with a, b >= 0 (two-variable NNLS by cases)."""
+    coef = torch.linalg.lstsq(torch.stack([xs, xs * xs], 1), ys.unsqueeze(1)).solution.squeeze(1)
+    if coef[0] < 0:
+        coef = torch.stack([xs.new_zeros(()), (ys * xs**2).sum() / (xs**4).sum()])
+    if coef[1] < 0:
+        coef = torch.stack([(ys * xs).sum() / (xs**2).sum(), xs.new_zeros(())])
+    return coef
+
+
+def section_time(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Forward+backward time of one ViT on L adaptive tokens vs (R/P)^2 uniform patches."""
+    cfg = ViTSegConfig.preset(
+        args.time_model, patch_size=args.patch, max_tokens=max(args.max_measured, args.length)
+    )
+    torch.manual_seed(0)
+    model = ViTSegmenter(cfg)
+    measured: dict[int, float] = {}
+    lengths = {args.length, args.max_measured, args.max_measured // 4, args.max_measured // 16}
+    lengths |= {
+        (s // args.patch) ** 2 for s in args.sizes if (s // args.patch) ** 2 <= args.max_measured
+    }
+    for n in sorted(x for x in lengths if x >= 1):
+        measured[n] = _fwd_bwd_s(model, n, args.reps if n <= args.max_measured // 4 else 1)
+        print(
+            f"  time    fwd+bwd {args.time_model} N={n:>7,}: {measured[n] * 1e3:9.1f} ms",
+            flush=True,
+        )
+    xs = torch.tensor(sorted(measured), dtype=torch.float64)
+    ys = torch.tensor([measured[int(n)] for n in xs], dtype=torch.float64)
+    coef = _fit_linear_quadratic(xs, ys)
+    rows = []
+    for size in args.sizes:
+        n_uni = (size // args.patch) ** 2
+        fit = n_uni not in measured
+        t_uni = float(coef[0] * n_uni + coef[1] * n_uni**2) if fit else measured[n_uni]
+        t_apf = measured[args.length]
+        rows.append(dict(size=size, apf_tokens=args.length, uniform_tokens=n_uni, apf_s=t_apf,
+                         uniform_s=t_uni, uniform_is_fit=fit, speedup=t_uni / t_apf))  # fmt: skip
+        print(f"  time    {size:>5}: uniform {n_uni:>9,} tok {t_uni:10.2f} s{' (fit)' if fit else ''}"
+              f"  apf {args.length} tok {t_apf:7.3f} s  ratio {t_uni / t_apf:12,.0f}x", flush=True)  # fmt: skip
+    return rows
+
+
+def _train_step_s(cfg: ViTSegConfig, batch: PatchBatch, reps: int) -> float:
+    torch.manual_seed(0)
+    model = ViTSegmenter(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    assert batch.targets is not None
+    from slipstream.vision import bce_dice_loss
+
+    times = []
+    for i in range(reps + 1):
+        start = time.perf_counter()
+        loss = bce_dice_loss(
+            model(batch.tokens, batch.valid, batch.geometry), batch.targets, batch.valid
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def section_prep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """APF preprocessing per image as a fraction of a training step on its tokens."""
+    rows = []
+    for size in args.sizes:
+        img, mask = synthetic_blobs(1, size, seed=0)
+        patcher = _patcher("synthetic", "fixed_length", args, size)
+        parts = {}
+        parts["edges"], edges = _timed(lambda p=patcher, i=img: p.edges(i))
+        parts["tree"], leaves = _timed(lambda p=patcher, e=edges: p.tree(e))
+        parts["tokens"], batch = _timed(
+            lambda p=patcher, i=img, lv=leaves, m=mask: p.tokens(i, lv, m)
+        )
+        prep = sum(parts.values())
+        for name in args.prep_models:
+            cfg = ViTSegConfig.preset(name, patch_size=args.patch, max_tokens=args.length)
+            step = _train_step_s(cfg, batch, reps=1 if name == "base" else args.reps)
+            rows.append(dict(size=size, model=name, prep_s=prep, **{f"{k}_s": v for k, v in parts.items()},
+                             step_s=step, fraction=prep / step))  # fmt: skip
+            print(f"  prep    {size:>5} {name:<5}: preprocessing {prep:7.2f} s "
+                  f"(edges {parts['edges']:.2f}, tree {parts['tree']:.2f}, tokens {parts['tokens']:.2f})"
+                  f"  step {step:7.2f} s  -> {100 * prep / step:6.1f}% of a step", flush=True)  # fmt: skip
+        del img, mask, edges
+    return rows
+
+
+def _token_sets(
+    size: int, args: argparse.Namespace, n_train: int, n_test: int
+) -> tuple[TokenSet, ...]:
+    """Adaptive and uniform token sets (train, test), one image at a time to bound memory."""
+    patcher = _patcher("synthetic", "fixed_length", args, size)
+    out: dict[str, list[PatchBatch]] = {"apf": [], "uniform": []}
+    masks, prep = [], 0.0
+    for i in range(n_train + n_test):
+        img, mask = synthetic_blobs(1, size, seed=1000 + i)
+        t, batch = _timed(lambda im=img, m=mask: patcher(im, m))
+        prep += t
+        out["apf"].append(batch)
+        out["uniform"].append(patcher.uniform(img, mask))
+        masks.append(mask if i >= n_train else torch.zeros(1, 1, 1, dtype=torch.bool))
+        del img
+    sets = []
+    for key in ("apf", "uniform"):
+        for lo, hi in ((0, n_train), (n_train, n_train + n_test)):
+            parts = out[key][lo:hi]
+            batch = PatchBatch(
+                tokens=torch.cat([p.tokens for p in parts]),
+                leaves=Leaves.cat([p.leaves for p in parts]),
+                targets=torch.cat([p.targets for p in parts if p.targets is not None]),
+            )
+            test_masks = (
+                torch.cat(masks[lo:hi]) if lo else torch.zeros(hi - lo, 1, 1, dtype=torch.bool)
+            )
+            sets.append(TokenSet(batch=batch, masks=test_masks, preprocess_s=prep))
+    return tuple(sets)
+
+
+def _train_eval(
+    train: TokenSet, test: TokenSet, args: argparse.Namespace, position: str
+) -> dict[str, float]:
+    torch.manual_seed(0)
+    cfg = ViTSegConfig.preset(
+        args.dice_model, patch_size=args.patch, max_tokens=args.length, position=position
+    )  # type: ignore[arg-type]
+    model = ViTSegmenter(cfg)
+    result = train_segmenter(
+        model, train, steps=args.dice_steps, batch_size=args.dice_batch, lr=args.lr
+    )
+    return dict(
+        dice=evaluate_dice(model, test),
+        oracle_dice=oracle_dice(test),
+        step_s=result.median_step_s,
+        final_loss=result.losses[-1],
+    )
+
+
+def section_dice(args: argparse.Namespace, positions: bool) -> list[dict[str, Any]]:
+    """Adaptive vs uniform at equal budget, or (positions=True) positional-embedding variants."""
+    rows = []
+    sizes = args.sizes[:1] if positions else args.sizes
+    for size in sizes:
+        n_train, n_test = args.dice_images
+        apf_tr, apf_te, uni_tr, uni_te = _token_sets(size, args, n_train, n_test)
+        arms = [(f"apf/{p}", apf_tr, apf_te, p) for p in ("slot", "slot+geometry", "geometry")] if positions else [
+            ("uniform", uni_tr, uni_te, "slot"), ("apf", apf_tr, apf_te, "slot")]  # fmt: skip
+        for name, tr, te, pos in arms:
+            res = _train_eval(tr, te, args, pos)
+            smin = int(tr.batch.leaves.size[tr.batch.valid].min())
+            rows.append(dict(size=size, arm=name, tokens=args.length, patch=args.patch, min_leaf=smin,
+                             steps=args.dice_steps, **res))  # fmt: skip
+            print(f"  {'pos ' if positions else 'dice'}    {size:>5} {name:<18} L={args.length} P={args.patch} "
+                  f"min leaf {smin:>4}  step {res['step_s'] * 1e3:7.1f} ms  Dice {res['dice']:.4f}  oracle {res['oracle_dice']:.4f}", flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the selected sections, print tables, optionally write JSON; returns the results."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--sizes", default="1024,4096,8192", type=lambda s: [int(x) for x in s.split(",")]
+    )
+    ap.add_argument("--length", type=int, default=1024, help="APF tokens L (fixed-length variant)")
+    ap.add_argument("--patch", type=int, default=8, help="token side P")
+    ap.add_argument("--sections", default="tokens,time,prep,dice,positions")
+    ap.add_argument("--time-model", default="tiny")
+    ap.add_argument(
+        "--max-measured", type=int, default=16384, help="longest uniform sequence timed"
+    )
+    ap.add_argument("--prep-models", default="tiny,small,base", type=lambda s: s.split(","))
+    ap.add_argument("--dice-model", default="tiny")
+    ap.add_argument("--dice-steps", type=int, default=150)
+    ap.add_argument("--dice-batch", type=int, default=4)
+    ap.add_argument(
+        "--dice-images", default="12,4", type=lambda s: tuple(int(x) for x in s.split(","))
+    )
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sections = args.sections.split(",")
+    out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}}
+    print(
+        f"APF benchmark: sizes {args.sizes}, L={args.length}, P={args.patch}, threads {args.threads}"
+    )
+    if "tokens" in sections:
+        out["tokens"] = section_tokens(args)
+    if "time" in sections:
+        out["time"] = section_time(args)
+    if "prep" in sections:
+        out["prep"] = section_prep(args)
+    if "dice" in sections:
+        out["dice"] = section_dice(args, positions=False)
+    if "positions" in sections:
+        out["positions"] = section_dice(args, positions=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Leaves <-> tokens: crop-and-resize every quadtree leaf to P x P, and paint tokens back.
+
+APF steps 4 and 8 (arXiv 2404.09707 sec. III-A): each leaf ``(y, x, s)`` becomes one P x P
+token (larger leaves are downscaled, smaller ones upscaled), the mask goes through the same
+tree, and per-token predictions are painted back into a full-resolution canvas.
+
+Both directions are single gathers / strided writes, batched over images and leaves:
+
+* Downscaling uses an average pyramid: a leaf of side ``s >= P`` read at pyramid level
+  ``log2(s / P)`` is exactly its box-filtered (area) P x P version, so one gather per
+  pyramid level extracts every token of that size class at once. ``mode="nearest"`` samples the pixel
+  under each token pixel's centre instead.
+* Upscaling (``s < P``) replicates pixels (nearest), so a mask round trip through leaves no
+  larger than P is exact.
+* :func:`tokens_to_image` writes each size class of leaves through a strided block view of
+  the canvas: every output pixel is written once, O(R^2) time, no per-pixel index tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from slipstream.vision.quadtree import Leaves, _morton_perm
+
+__all__ = ["extract_tokens", "patchify", "tokens_to_image"]
+
+ResizeMode = Literal["area", "nearest"]
+
+
+def _check_images(images: Tensor, leaves: Leaves, name: str) -> None:
+    if images.dim() != 4 or images.shape[-1] != images.shape[-2]:
+        raise ValueError(
+            f"{name} must have shape (batch, channels, R, R), got {tuple(images.shape)}"
+        )
+    if images.shape[-1] != leaves.image_size or images.shape[0] != leaves.y.shape[0]:
+        raise ValueError(
+            f"{name} of shape {tuple(images.shape)} does not match the leaves (batch "
+            f"{leaves.y.shape[0]}, image side {leaves.image_size}); build the tree from the "
+            "same batch"
+        )
+
+
+def _pyramid(images: Tensor, levels: int) -> list[Tensor]:
+    """Average pyramid levels 0..levels, each flattened to (B, C, H_k * W_k) (level 0: a view)."""
+    out, level = [images.flatten(2)], images
+    for _ in range(levels):
+        level = F.avg_pool2d(level, 2)
+        out.append(level.flatten(2))
+    return out
+
+
+def extract_tokens(
+    images: Tensor, leaves: Leaves, patch_size: int, mode: ResizeMode = "area"
+) -> Tensor:
+    """Resize every leaf of ``images`` (B, C, R, R) to ``patch_size`` x ``patch_size``.
+
+    Returns:
+        (B, L, C, P, P) tokens in leaf order; padding leaves give all-zero tokens.
+
+    Memory: one average pyramid (at most 1/3 of ``images``) plus the tokens.
+    """
+    _check_images(images, leaves, "images")
+    p = patch_size
+    x = images if images.is_floating_point() else images.float()
+    b, c, r, _ = x.shape
+    size = leaves.size.clamp(min=1)
+    i = torch.arange(p, device=x.device)
+    if mode == "area":
+        big = size >= p
+        shift = torch.where(big, (size // p).float().log2().round().long(), torch.zeros_like(size))
+        levels = _pyramid(x, int(shift.max()) if shift.numel() else 0)
+        # Level-k coordinates of the token's first row/col; small leaves replicate pixels.
+        y0, x0 = (leaves.y.clamp(min=0) >> shift), (leaves.x.clamp(min=0) >> shift)
+        step_i = torch.where(big.unsqueeze(-1), i, (i * size.unsqueeze(-1)) // p)
+        rows, cols, n = y0.unsqueeze(-1) + step_i, x0.unsqueeze(-1) + step_i, r >> shift
+    elif mode == "nearest":
+        levels, shift, n = [x.flatten(2)], torch.zeros_like(size), torch.full_like(size, r)
+        centre = ((2 * i + 1) * size.unsqueeze(-1)) // (2 * p)
+        rows = leaves.y.clamp(min=0).unsqueeze(-1) + centre
+        cols = leaves.x.clamp(min=0).unsqueeze(-1) + centre
+    else:
+        raise ValueError(f"mode={mode!r} is not a resize mode; use 'area' or 'nearest'")
+    index = rows.unsqueeze(-1) * n[..., None, None] + cols.unsqueeze(-2)  # (B, L, P, P)
+    tokens = x.new_zeros((b, leaves.length, c, p, p))
+    for k, level in enumerate(levels):
+        bi, li = (leaves.valid & (shift == k)).nonzero(as_tuple=True)
+        if bi.numel():
+            flat = index[bi, li].reshape(-1)  # one gather per pyramid level
+            vals = level[bi.repeat_interleave(p * p), :, flat]  # (k * P * P, C)
+            tokens[bi, li] = vals.view(-1, p, p, c).permute(0, 3, 1, 2)
+    return tokens
+
+
+def patchify(
+    images: Tensor, patch_size: int, order: Literal["morton", "raster"] = "morton"
+) -> Tensor:
+    """Plain ViT patching: (B, C, R, R) -> (B, (R/P)**2, C, P, P) non-overlapping patches.
+
+    ``order="morton"`` lists patches in the quadtree's Z order (what APF produces for a
+    uniform tree); ``"raster"`` is the usual row-major ViT order.
+    """
+    b, c, h, w = images.shape
+    p = patch_size
+    if h % p or w % p:
+        raise ValueError(
+            f"images of shape {tuple(images.shape)} do not split into {p} x {p} patches; "
+            "resize to a multiple of the patch size"
+        )
+    gh, gw = h // p, w // p
+    out = images.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c, p, p)
+    if order == "raster":
+        return out
+    if order != "morton" or gh != gw or gh & (gh - 1):
+        raise ValueError(
+            f"order={order!r} with a {gh} x {gw} patch grid: Morton order needs a square "
+            "power-of-two grid and order is 'morton' or 'raster'"
+        )
+    return out[:, _morton_perm(gh, images.device)]
+
+
+def tokens_to_image(values: Tensor, leaves: Leaves, fill: float = 0.0) -> Tensor:
+    """Paint per-token maps back at full resolution (nearest resize of each token to its leaf).
+
+    Args:
+        values: (B, L, P, P) or (B, L, C, P, P) per-token maps (logits, probabilities, labels).
+        leaves: the tree the tokens came from.
+        fill: value of pixels no valid leaf covers (only after leaves were dropped).
+
+    Returns:
+        (B, R, R) or (B, C, R, R), matching ``values``. Padding tokens are ignored.
+    """
+    squeeze = values.dim() == 4
+    v = values.unsqueeze(2) if squeeze else values
+    if v.dim() != 5 or v.shape[:2] != leaves.valid.shape or v.shape[-1] != v.shape[-2]:
+        raise ValueError(
+            f"values must have shape (batch, L, [channels,] P, P) with (batch, L) = "
+            f"{tuple(leaves.valid.shape)}, got {tuple(values.shape)}"
+        )
+    b, _, c, p, _ = v.shape
+    r = leaves.image_size
+    canvas = torch.full((b, c, r, r), fill, dtype=v.dtype, device=v.device)
+    valid_sizes = leaves.size[leaves.valid]
+    for s in valid_sizes.unique().tolist():
+        sel = leaves.valid & (leaves.size == s)
+        bi, li = sel.nonzero(as_tuple=True)
+        patch = v[bi, li]  # (k, C, P, P)
+        if s >= p:
+            f = s // p
+            k = patch.shape[0]
+            patch = patch[:, :, :, None, :, None].expand(k, c, p, f, p, f).reshape(k, c, s, s)
+        else:
+            pick = ((2 * torch.arange(s, device=v.device) + 1) * p) // (2 * s)
+            patch = patch[:, :, pick][:, :, :, pick]
+        n = r // s
+        blocks = canvas.view(b, c, n, s, n, s).permute(0, 2, 4, 1, 3, 5)
+        blocks[bi, leaves.y[bi, li] // s, leaves.x[bi, li] // s] = patch
+    return canvas[:, 0] if squeeze else canvas

@@ -1,0 +1,111 @@
+"""Edge detection: parity with scikit-image's Canny and the detector's own invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from slipstream.vision import canny, gaussian_blur, gaussian_kernel_sigma, to_grey
+from slipstream.vision.edges import _hysteresis
+
+
+def _ref_canny(img: np.ndarray, sigma: float, lo: float, hi: float) -> np.ndarray:
+    feature = pytest.importorskip("skimage.feature")
+    return feature.canny(img, sigma=sigma, low_threshold=lo, high_threshold=hi)
+
+
+@pytest.mark.parametrize(
+    ("name", "sigma", "lo", "hi"),
+    [("camera", 1.0, 50, 100), ("coins", 2.0, 20, 40), ("camera", 0.0, 100, 200)],
+)
+def test_canny_matches_scikit_image_pixel_for_pixel(
+    name: str, sigma: float, lo: float, hi: float
+) -> None:
+    """Our batched Canny equals skimage.feature.canny on bundled images (<= 2 pixels differ)."""
+    data = pytest.importorskip("skimage.data")
+    img = getattr(data, name)()[:160, :192].astype(np.float64)
+    ref = _ref_canny(img, sigma, lo, hi)
+    ours = canny(torch.from_numpy(img), lo, hi, sigma=sigma).numpy()
+    assert ref.sum() > 200
+    assert (ref != ours).sum() <= 2
+
+
+def test_batched_canny_equals_per_image() -> None:
+    """A batch gives the same edge maps as each image alone (thresholds per image too)."""
+    g = torch.Generator().manual_seed(0)
+    x = gaussian_blur(torch.rand(3, 48, 48, generator=g) * 255, sigma=1.5)
+    for relative in (False, True):
+        lo, hi = (0.2, 0.4) if relative else (10.0, 20.0)
+        batched = canny(x, lo, hi, relative=relative)
+        single = torch.stack([canny(x[i], lo, hi, relative=relative) for i in range(3)])
+        assert torch.equal(batched, single) and batched.any()
+
+
+def test_border_is_never_an_edge_and_flat_image_has_none() -> None:
+    """A flat image has no edges; a step touching the border marks no border pixel."""
+    assert not canny(torch.full((32, 32), 128.0)).any()
+    x = torch.zeros(32, 32)
+    x[:, 16:] = 255.0
+    e = canny(x)
+    assert e[1:-1, 15:17].any()
+    assert not (e[0].any() or e[-1].any() or e[:, 0].any() or e[:, -1].any())
+
+
+def test_relative_thresholds_are_scale_free_and_absolute_ones_are_not() -> None:
+    """Scaling intensities keeps relative-threshold edges and changes absolute ones."""
+    g = torch.Generator().manual_seed(1)
+    x = gaussian_blur(torch.rand(64, 64, generator=g) * 255, sigma=2.0)
+    assert torch.equal(canny(x, 0.1, 0.3, relative=True), canny(0.25 * x, 0.1, 0.3, relative=True))
+    assert canny(0.25 * x, 5, 10).sum() < canny(x, 5, 10).sum()
+
+
+@pytest.mark.parametrize("name", ["camera", "coins", "immunohistochemistry"])
+def test_more_blur_gives_fewer_edges(name: str) -> None:
+    """Monotonicity (spec 1.5): a wider Gaussian before Canny leaves fewer edge pixels."""
+    pytest.importorskip("skimage")
+    from slipstream.vision import bundled_image
+
+    x = to_grey(bundled_image(name)).round()[:, :256, :256]
+    counts = [
+        int(canny(gaussian_blur(x, kernel_size=k), 100, 200, norm="l1").sum()) for k in (1, 3, 5, 7)
+    ]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
+
+
+def test_l1_norm_keeps_more_edges_than_l2() -> None:
+    """|gi| + |gj| >= the Euclidean norm, so the same thresholds keep more edge pixels."""
+    data = pytest.importorskip("skimage.data")
+    x = torch.from_numpy(data.camera()[128:384, 128:384].astype(np.float32))
+    assert canny(x, 100, 200, norm="l1").sum() > 1.1 * canny(x, 100, 200, norm="l2").sum()
+
+
+def test_hysteresis_matches_connected_component_labelling() -> None:
+    """Sparse hooking + pointer jumping keeps exactly the 8-connected weak components with a strong pixel."""
+    ndi = pytest.importorskip("scipy.ndimage")
+    g = torch.Generator().manual_seed(3)
+    weak = torch.rand(2, 64, 64, generator=g) < 0.45
+    weak[:, 0] = weak[:, -1] = False
+    weak[:, :, 0] = weak[:, :, -1] = False
+    strong = weak & (torch.rand(2, 64, 64, generator=g) < 0.01)
+    idx = weak.reshape(-1).nonzero().squeeze(1)
+    ours = _hysteresis(idx, strong.reshape(-1)[idx], weak.shape)
+    for b in range(2):
+        labels, _ = ndi.label(weak[b].numpy(), np.ones((3, 3)))
+        good = np.unique(labels[strong[b].numpy()])
+        ref = np.isin(labels, good[good > 0])
+        assert np.array_equal(ours[b].numpy(), ref)
+
+
+def test_grey_blur_and_argument_errors() -> None:
+    """BT.601 grey on 0-255, OpenCV's sigma rule, and errors naming the bad argument."""
+    rgb = torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1)
+    assert torch.allclose(to_grey(rgb), torch.tensor([[[0.299 * 255]]]))
+    assert gaussian_kernel_sigma(3) == pytest.approx(0.8)
+    assert gaussian_kernel_sigma(5) == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="kernel_size=4"):
+        gaussian_kernel_sigma(4)
+    with pytest.raises(ValueError, match=r"low=200.*high=100"):
+        canny(torch.zeros(8, 8), 200, 100)
+    with pytest.raises(ValueError, match="channels"):
+        to_grey(torch.zeros(1, 2, 4, 4))

@@ -1,0 +1,105 @@
+"""Leaves <-> tokens: resize semantics, the inverse, and the horse-mask round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.vision import (
+    AdaptivePatcher,
+    APFConfig,
+    dice_score,
+    extract_tokens,
+    fixed_length_quadtree,
+    patchify,
+    threshold_quadtree,
+    tokens_to_image,
+    uniform_leaves,
+)
+
+
+def _mixed_leaves(r: int = 64) -> tuple[torch.Tensor, object]:
+    g = torch.Generator().manual_seed(0)
+    e = torch.rand(2, r, r, generator=g) < 0.04
+    e[:, :8, :8] = True  # forces leaves of side 2 and 4 (smaller than P = 4 / 8)
+    return torch.rand(2, 3, r, r, generator=g), fixed_length_quadtree(e, 40, min_size=2)
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_area_tokens_are_box_filtered_crops_and_small_leaves_replicate(p: int) -> None:
+    """Each token equals the area-resized crop of its leaf (nearest upsampling when s < P)."""
+    images, leaves = _mixed_leaves()
+    tokens = extract_tokens(images, leaves, p, "area")
+    assert tokens.shape == (2, 40, 3, p, p)
+    sizes = set()
+    for b in range(2):
+        for i in range(leaves.length):
+            if not leaves.valid[b, i]:
+                assert not tokens[b, i].any(), "padding tokens are zero"
+                continue
+            y, x, s = (int(t[b, i]) for t in (leaves.y, leaves.x, leaves.size))
+            sizes.add(s)
+            crop = images[b : b + 1, :, y : y + s, x : x + s]
+            mode = "area" if s >= p else "nearest"
+            ref = F.interpolate(crop, size=(p, p), mode=mode)[0]
+            torch.testing.assert_close(tokens[b, i], ref, rtol=1e-5, atol=1e-6)
+    assert min(sizes) < p < max(sizes)
+
+
+def test_nearest_tokens_sample_the_pixel_under_each_token_pixel_centre() -> None:
+    """mode='nearest' picks pixel y + floor((i + 0.5) * s / P) of each leaf."""
+    images, leaves = _mixed_leaves()
+    tokens = extract_tokens(images, leaves, 4, "nearest")
+    b, i = 0, int(leaves.size[0].argmax())
+    y, x, s = (int(t[b, i]) for t in (leaves.y, leaves.x, leaves.size))
+    idx = torch.tensor([int((k + 0.5) * s / 4) for k in range(4)])
+    assert torch.equal(tokens[b, i], images[b, :, y + idx][:, :, x + idx])
+
+
+def test_inverse_is_exact_when_no_leaf_exceeds_the_patch_size() -> None:
+    """Round trip image -> tokens -> image is exact for leaves <= P (and for the uniform grid)."""
+    images, _ = _mixed_leaves(32)
+    small = fixed_length_quadtree(torch.ones(2, 32, 32, dtype=torch.bool), 256, min_size=2)
+    for lv, p in ((small, 4), (small, 2), (uniform_leaves(2, 32, 8), 8)):
+        assert torch.equal(tokens_to_image(extract_tokens(images, lv, p), lv), images)
+    mask = images[:, 0] > 0.5
+    big = fixed_length_quadtree(torch.ones(2, 32, 32, dtype=torch.bool), 64)
+    back = tokens_to_image(extract_tokens(mask[:, None].float(), big, 8)[:, :, 0], big)
+    assert torch.equal(back > 0.5, mask)
+
+
+def test_inverse_fills_pixels_of_dropped_leaves() -> None:
+    """Pixels whose leaf was dropped (threshold variant over length) get the fill value."""
+    e = torch.rand(1, 32, 32, generator=torch.Generator().manual_seed(1)) < 0.2
+    leaves = threshold_quadtree(e, 2, length=10, generator=torch.Generator().manual_seed(0))
+    out = tokens_to_image(torch.ones(1, 10, 4, 4), leaves, fill=-1.0)
+    covered = int((leaves.size[leaves.valid] ** 2).sum())
+    assert int((out == 1).sum()) == covered and int((out == -1).sum()) == 32 * 32 - covered
+
+
+def test_patchify_orders_and_errors() -> None:
+    """Raster order is the usual ViT unfold; Morton order is a permutation of it."""
+    x = torch.arange(2 * 16 * 16, dtype=torch.float32).view(2, 1, 16, 16)
+    raster = patchify(x, 4, "raster")
+    assert torch.equal(raster[0, 1, 0], x[0, 0, 0:4, 4:8])
+    morton = patchify(x, 4)
+    assert torch.equal(morton[0, 2], raster[0, 4]) and torch.equal(morton[0, 1], raster[0, 1])
+    with pytest.raises(ValueError, match="do not split into 3 x 3"):
+        patchify(x, 3)
+
+
+def test_horse_mask_round_trip_dice_at_1024_tokens() -> None:
+    """Spec 1.5: the horse silhouette (512^2) through a 1024-token tree and back keeps Dice >= 0.998."""
+    pytest.importorskip("skimage")
+    from slipstream.vision import horse_mask
+
+    mask = horse_mask(512)
+    patcher = AdaptivePatcher(APFConfig(patch_size=8, length=1024))
+    batch = patcher(mask[:, None].float(), mask)
+    assert batch.targets is not None
+    dice = float(dice_score(batch.to_image(batch.targets) > 0.5, mask)[0])
+    assert dice >= 0.998
+    small = AdaptivePatcher(APFConfig(patch_size=8, length=64))(mask[:, None].float(), mask)
+    assert small.targets is not None
+    assert float(dice_score(small.to_image(small.targets) > 0.5, mask)[0]) < dice
