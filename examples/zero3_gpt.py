@@ -1,4 +1,4 @@
-"""ZeRO-3 end to end: train, read gathered weights, export 16-bit safetensors, generate.
+"""ZeRO-3 end to end: build under zero.Init, train, read gathered weights, export 16-bit safetensors, generate.
 
 Run on 2 local processes:
 
@@ -25,7 +25,10 @@ def main() -> None:
 
     slipstream.init_distributed()
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny"))
+    # Sharded construction: parameters stay on the meta device until initialize() fills
+    # each rank's shards module by module (same values as eager construction).
+    with slipstream.zero.Init():
+        model = GPT(GPTConfig.preset("tiny"))
     world = dist.get_world_size()
     est = slipstream.zero.estimate_memory(model, world=world, stage=3)
     config = {

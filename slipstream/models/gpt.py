@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.config._errors import ConfigError
+from slipstream.zero.init import deferred_init_active
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -266,11 +267,18 @@ class GPT(nn.Module):
             self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            # Non-persistent: state_dict holds parameters only; init_weights() fills these.
-            shape = (config.max_seq_len, config.head_dim)
-            self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
-            self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
+        # Non-persistent: state_dict holds parameters only; init_weights() fills these.
+        shape = (config.max_seq_len, config.head_dim)
+        self.register_buffer("rope_cos", torch.empty(shape, device=device), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(shape, device=device), persistent=False)
         self.embed_dropout = nn.Dropout(config.dropout)
+        if deferred_init_active():
+            # Inside slipstream.zero.Init: parameters stay on the meta device and ZeRO-3
+            # materializes them shard by shard with init_module_weights (same values).
+            self.tie_weights()
+            if not self.rope_cos.is_meta:
+                self._init_rope()
+            return
         self.to_empty(device=device)
         self.init_weights()
 
@@ -293,19 +301,28 @@ class GPT(nn.Module):
         Deterministic given the torch seed.
         """
         self.tie_weights()
-        std = 0.02
-        resid_std = std / math.sqrt(2 * self.config.num_layers)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                if module is self.lm_head and self.config.tie_embeddings:
-                    continue  # shares embed_tokens.weight, already initialised
-                is_resid = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, mean=0.0, std=resid_std if is_resid else std)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+            self.init_module_weights(name, module)
         self._init_rope()
+
+    @torch.no_grad()
+    def init_module_weights(self, name: str, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters (one step of ``init_weights``).
+
+        ``slipstream.zero.Init`` calls this per module, in ``named_modules`` order, to
+        materialize ZeRO-3 shards with exactly the values eager construction gives.
+        """
+        std = 0.02
+        if isinstance(module, nn.Linear):
+            if module is self.lm_head and self.config.tie_embeddings:
+                return  # shares embed_tokens.weight, already initialised
+            if name.endswith(("o_proj", "down_proj")):
+                std /= math.sqrt(2 * self.config.num_layers)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
 
     def _init_rope(self) -> None:
         # Angles in fp32 on the buffer's device (fp32 keeps large positions exact enough),

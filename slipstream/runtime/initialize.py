@@ -22,6 +22,7 @@ from slipstream.runtime.dataloader import build_dataloader
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.precision import LossScaler, PrecisionPolicy
 from slipstream.zero import StepPolicy, ZeroOptimizer, shard_zero_
+from slipstream.zero.init import has_meta_parameters, materialize_
 
 __all__ = ["initialize"]
 
@@ -89,7 +90,14 @@ def initialize(
     policy = PrecisionPolicy.from_config(
         cfg.fp16, cfg.bf16, cfg.data_types, cfg.communication_data_type, model_dtype
     )
-    model.to(device)
+    if has_meta_parameters(model):
+        # Built under zero.Init: parameters stay on meta until ZeRO materializes them.
+        for mod in model.modules():
+            for key, buf in mod._buffers.items():
+                if buf is not None and not buf.is_meta:
+                    mod._buffers[key] = buf.to(device)
+    else:
+        model.to(device)
     if policy.param_dtype != model_dtype:
         model.to(policy.param_dtype)
 
@@ -107,8 +115,10 @@ def initialize(
             swap_dir=_swap_dir(cfg, device),
         )
         zero_opt = shard_zero_(
-            model, group, cfg.zero_optimization, policy, groups, make_optimizer, step
+            model, group, cfg.zero_optimization, policy, groups, make_optimizer, step, device
         )
+    elif has_meta_parameters(model):  # no optimizer (inference): materialize in full
+        materialize_(model, device)
     scheduler = _scheduler(lr_scheduler, zero_opt, client_opt, cfg)
     loader = None
     if training_data is not None:

@@ -15,6 +15,7 @@ from slipstream.runtime.precision import PrecisionPolicy
 from slipstream.zero.estimate import estimate_memory
 from slipstream.zero.export import gathered_model, save_16bit_model
 from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
+from slipstream.zero.init import Init, materialize_
 from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
 from slipstream.zero.reducer import GradientReducer, ReducePolicy
 from slipstream.zero.stage3 import GatheredParameters, set_z3_leaf_modules, shard_params_
@@ -22,10 +23,12 @@ from slipstream.zero.stage3 import GatheredParameters, set_z3_leaf_modules, shar
 __all__ = [
     "Bucket",
     "GatheredParameters",
+    "Init",
     "StepPolicy",
     "ZeroOptimizer",
     "estimate_memory",
     "gathered_model",
+    "materialize_",
     "save_16bit_model",
     "set_z3_leaf_modules",
     "shard_zero_",
@@ -62,6 +65,7 @@ def shard_zero_(
     param_groups: Sequence[dict[str, Any]],
     make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
     step: StepPolicy,
+    device: torch.device | None = None,
 ) -> ZeroOptimizer:
     """Apply ZeRO stage 0, 1, 2 or 3 to ``model`` in place and return its optimizer.
 
@@ -76,6 +80,8 @@ def shard_zero_(
         param_groups: optimizer param groups (dicts with ``params`` and hyperparameters).
         make_optimizer: builds the inner optimizer on the master tensors.
         step: loss scaling, clipping and overflow policy.
+        device: where parameters built under ``zero.Init`` (meta) are materialized
+            (default: where the model's buffers are, else CPU).
     Communication: stage 0/1 one all-reduce of all gradients per optimizer step; stage 2
     one reduce-scatter per micro-step; stage 1/2 one all-gather of the parameters per step.
     """
@@ -87,9 +93,14 @@ def shard_zero_(
         log_rank0("parameters not in any optimizer param group are not trained: %s", orphans[:8])
     dp_size = comm.get_world_size(dp_group)
     store: ParamStore
+    if cfg.stage != 3 and any(p.is_meta for p in model.parameters()):
+        # zero.Init model without stage 3: every rank holds it all anyway.
+        if device is None:
+            device = next((t.device for t in model.buffers() if not t.is_meta), torch.device("cpu"))
+        materialize_(model, device)
     if cfg.stage == 3:
         _broadcast_from_dp0(model, [], dp_group)
-        buckets, store = shard_params_(model, groups, names, dp_group, cfg)
+        buckets, store = shard_params_(model, groups, names, dp_group, cfg, device)
     else:
         buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)
         _broadcast_from_dp0(model, buckets, dp_group)
@@ -128,5 +139,7 @@ def _broadcast_from_dp0(model: nn.Module, buckets: Sequence[Bucket], dp_group: c
         comm.broadcast(b.flat, src=src, group=dp_group, label="init_params")
     in_buckets = {id(p) for b in buckets for p in b.params}
     for t in [p for p in model.parameters() if id(p) not in in_buckets] + list(model.buffers()):
+        if t.is_meta:
+            continue  # zero.Init: materialized identically on every rank
         if t.is_floating_point() or t.dtype in (torch.int64, torch.int32):
             comm.broadcast(t.data, src=src, group=dp_group, label="init_params")

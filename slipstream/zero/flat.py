@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.zero.init import set_data_
 
 __all__ = ["Bucket", "FlatStore", "ParamStore", "build_buckets"]
 
@@ -93,18 +94,36 @@ def _make_bucket(
     params: list[nn.Parameter],
     names: dict[nn.Parameter, str],
     dp: int,
+    device: torch.device | None = None,
 ) -> Bucket:
+    """Lay ``params`` out in one flat tensor; each becomes a view into it.
+
+    Meta parameters (built under ``zero.Init``) get a flat tensor on ``device`` whose storage
+    is released at once: ZeRO-3 fills their shards when it materializes them.
+    """
     offsets, total = [], 0
     for p in params:
         offsets.append(total)
         total += p.numel()
     numel = _pad(total, dp)
     first = params[0]
-    flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    deferred = first.is_meta
+    if any(p.is_meta != deferred for p in params):
+        raise ValueError(
+            f"bucket mixes meta and materialized parameters ({[names[p] for p in params][:4]}"
+            "...): build the whole model inside zero.Init, or none of it"
+        )
+    if deferred:  # views need in-bounds storage to be made; released right after
+        flat = torch.empty(numel, dtype=first.dtype, device=device)
+    else:
+        flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
     for p, off in zip(params, offsets):
         view = flat[off : off + p.numel()]
-        view.copy_(p.detach().reshape(-1))
-        p.data = view.view_as(p)
+        if not deferred:
+            view.copy_(p.detach().reshape(-1))
+        set_data_(p, view.view_as(p))
+    if deferred:
+        flat.untyped_storage().resize_(0)
     return Bucket(index, group_index, params, [names[p] for p in params], offsets, numel, dp, flat)
 
 

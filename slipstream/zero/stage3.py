@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
 from slipstream.zero.flat import Bucket, _make_bucket
+from slipstream.zero.init import materialize_
 
 __all__ = ["GatheredParameters", "ShardedStore", "set_z3_leaf_modules", "shard_params_"]
 
@@ -97,7 +98,14 @@ class ShardedStore:
         self.dp_size = comm.get_world_size(dp_group)
         self.partitioned = self.dp_size > 1
         self.unit_of = {b: u.index for u in units for b in u.buckets}
-        self.shards = [b.flat[b.shard_slice(self.dp_rank)].clone() for b in buckets]
+        # A bucket of zero.Init parameters has no storage yet: its shard is filled later.
+        self.shards = [
+            b.flat[b.shard_slice(self.dp_rank)].clone()
+            if b.flat.untyped_storage().nbytes()
+            else b.flat.new_zeros(b.shard_numel)
+            for b in buckets
+        ]
+        self.materialize_peak_numel = 0  # zero.Init: most elements materialized at once
         self.masters: list[torch.Tensor] | None = None
         self._ready: set[int] = set()
         self.handles: list[Any] = []
@@ -301,13 +309,20 @@ def shard_params_(
     names: dict[nn.Parameter, str],
     dp_group: comm.Group,
     cfg: ZeroConfig,
+    device: torch.device | None = None,
 ) -> tuple[list[Bucket], ShardedStore]:
     """Partition ``model``'s trainable parameters per unit, in place; install gather hooks.
 
     Parameters must already be equal on every rank (broadcast first). Frozen parameters stay
-    replicated. Returns the buckets (in expected gradient order) and the store.
+    replicated. Parameters on the meta device (built under ``zero.Init``) are materialized on
+    ``device`` straight into this rank's shards, one module at a time. Returns the buckets
+    (in expected gradient order) and the store.
     """
+    if device is None:
+        device = next((t.device for t in model.buffers() if not t.is_meta), torch.device("cpu"))
+        device = next((p.device for p in model.parameters() if not p.is_meta), device)
     dp = comm.get_world_size(dp_group)
+    deferred = {id(p) for p in model.parameters() if p.is_meta}  # built under zero.Init
     group_of = {p: gi for gi, plist in enumerate(groups) for p in plist}
     unit_mods = _unit_modules(model)
     unit_index = {id(m): i for i, (_, m) in enumerate(unit_mods)}
@@ -333,7 +348,7 @@ def shard_params_(
         for p in mine:
             by_key.setdefault((group_of[p], p.dtype), []).append(p)
         for (gi, _), plist in by_key.items():
-            bucket = _make_bucket(len(buckets), gi, plist, names, dp)
+            bucket = _make_bucket(len(buckets), gi, plist, names, dp, device=device)
             unit.buckets.append(bucket.index)
             buckets.append(bucket)
     for unit in units:
@@ -343,7 +358,38 @@ def shard_params_(
     store = _finish(buckets, units, dp_group)
     store.prefetch_numel = cfg.stage3_prefetch_bucket_size
     store.max_live_numel = cfg.stage3_max_live_parameters
+    if deferred:
+        store.materialize_peak_numel = _materialize_shards(model, store, deferred, device)
     return buckets, store
+
+
+def _materialize_shards(
+    model: nn.Module, store: ShardedStore, deferred: set[int], device: torch.device
+) -> int:
+    """Initialize a ``zero.Init`` model straight into this rank's shards, module by module."""
+    where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
+    for bucket in store.buckets:
+        for p, off in zip(bucket.params, bucket.offsets):
+            where[id(p)] = (bucket.index, off)
+
+    def keep_slice(p: nn.Parameter, full: torch.Tensor) -> None:
+        if id(p) not in where:  # frozen: stays replicated, keeps its full value
+            p.data = full
+            return
+        b, off = where[id(p)]
+        lo, hi = store.owned_range(b)
+        start, stop = max(lo, off), min(hi, off + full.numel())
+        if start < stop:
+            store.shards[b][start - lo : stop - lo].copy_(
+                full.reshape(-1)[start - off : stop - off]
+            )
+
+    peak = materialize_(model, device, sink=keep_slice, pending=deferred)
+    for unit in store.units:  # persistent units stay gathered: fill them from the shards
+        if unit.persistent and unit.buckets:
+            unit.gathered = False
+            store.gather(unit)
+    return peak
 
 
 def _finish(buckets: list[Bucket], units: list[Unit], dp_group: comm.Group) -> ShardedStore:

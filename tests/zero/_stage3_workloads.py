@@ -61,7 +61,7 @@ def _batches(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
 
 
 def _loss(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return model(x, y) if kind == "twice" else model(input_ids=x, labels=y).loss
+    return model(x, y) if kind.startswith("twice") else model(input_ids=x, labels=y).loss
 
 
 def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
@@ -77,9 +77,18 @@ def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _build(kind: str) -> nn.Module:
+    if kind == "twice_init":  # sharded construction: parameters never exist in full
+        with slipstream.zero.Init():
+            model = _twice()
+        assert all(p.is_meta for p in model.parameters())
+        return model
+    return _twice() if kind == "twice" else _llama()
+
+
 def engine_params(kind: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _twice() if kind == "twice" else _llama()
+    model = _build(kind)
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
@@ -87,6 +96,7 @@ def engine_params(kind: str) -> dict[str, Any]:
     }
     engine, opt, _, _ = slipstream.initialize(model=model, config=config)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    every = sum(p.numel() for p in model.parameters())
     shard = sum(s.numel() for s in opt.store.shards)
     for step in _batches(world):
         x, y = step[rank]
@@ -94,8 +104,15 @@ def engine_params(kind: str) -> dict[str, Any]:
         engine.step()
     with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    peak = opt.store.materialize_peak_numel
     engine.destroy()
-    return {"params": params, "shard_numel": shard, "total_numel": total}
+    return {
+        "params": params,
+        "shard_numel": shard,
+        "total_numel": total,
+        "peak_numel": peak,
+        "all_numel": every,
+    }
 
 
 def diverge() -> str:
@@ -127,6 +144,7 @@ def diverge() -> str:
 def all_checks(tmp: str) -> dict[str, Any]:
     return {
         "twice": engine_params("twice"),
+        "twice_init": engine_params("twice_init"),
         "llama": engine_params("llama"),
         "diverge": diverge(),
         "estimates": estimates(),
