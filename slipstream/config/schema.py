@@ -52,12 +52,27 @@ class CommsLoggerConfig(StrictModel):
     """Include the call site label in verbose logs."""
 
 
+class CheckpointConfig(StrictModel):
+    """``checkpoint``: how ``save_checkpoint`` / ``load_checkpoint`` behave."""
+
+    tag_validation: Literal["Warn", "Ignore", "Fail"] = "Warn"
+    """What to do when ranks pass different tags: log a warning (and use rank 0's), ignore,
+    or raise."""
+    load_universal: bool = False
+    """Accepted for compatibility: every slipstream checkpoint loads at any world size/stage."""
+    use_node_local_storage: bool = False
+    """Not supported: checkpoints go to a directory every rank can reach."""
+    keep_last: int | None = Field(default=None, ge=1)
+    """Keep only the newest N tags in ``save_dir`` (deleted after a successful save)."""
+    barrier_timeout: float = Field(default=300.0, gt=0)
+    """Seconds to wait for every rank to enter save/load before naming the missing ranks."""
+
+
 # DeepSpeed top-level keys that slipstream knows but does not implement yet, with where they
 # land. A block whose "enabled" is false (or a trivial value) is accepted; anything else is an
 # error naming the issue, never a silent drop.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
     "activation_checkpointing": "activation checkpointing is not implemented yet",
-    "checkpoint": "checkpoint options arrive with sharded checkpoints (issue 4)",
     "tensor_parallel": "tensor parallelism arrives with issue 6",
     "pipeline": "pipeline parallelism arrives with issue 6",
     "sequence_parallel_size": "sequence parallelism arrives with issue 7",
@@ -132,6 +147,8 @@ class SlipstreamConfig(StrictModel):
     """Time forward, backward and step and log them every ``steps_per_print`` steps."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication counters."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint behaviour: tag validation, retention, the rank-arrival timeout."""
     seed: int | None = None
     """Seed torch's RNG on every rank and the data sampler."""
     dataloader_drop_last: bool = False

@@ -1,13 +1,80 @@
-"""The dataloader ``initialize`` builds from ``training_data``: one shard per data-parallel rank."""
+"""The dataloader ``initialize`` builds from ``training_data``: one shard per data-parallel rank.
+
+It can resume mid-epoch: ``state_dict()`` records the epoch and how many micro-batches of it
+were yielded, and ``load_state_dict`` makes the next iteration skip exactly those (without
+loading them), so a restored run sees the same batches as an uninterrupted one.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["build_dataloader"]
+__all__ = ["ResumableDataLoader", "build_dataloader"]
+
+
+class _SkippingSampler(DistributedSampler):  # type: ignore[type-arg]
+    """A ``DistributedSampler`` whose next pass starts ``skip`` indices in."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+
+class ResumableDataLoader:
+    """Micro-batches of this rank's shard of a dataset; resumable at any batch.
+
+    Iterate it like a ``DataLoader``; call ``loader.sampler.set_epoch(epoch)`` (or
+    ``loader.set_epoch``) each epoch for a new shuffle order.
+    """
+
+    def __init__(self, loader: DataLoader[Any], sampler: _SkippingSampler, micro_batch: int):
+        self.loader = loader
+        self.sampler = sampler
+        self.micro_batch = micro_batch
+        self.batches = 0  # yielded in the current pass
+        self._resume = 0
+        self._resume_epoch: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        resume = self._resume if self._resume_epoch == self.sampler.epoch else 0
+        self._resume, self._resume_epoch = 0, None
+        self.batches = resume
+        self.sampler.skip = resume * self.micro_batch
+        for batch in self.loader:
+            self.batches += 1
+            yield batch
+        self.batches = 0  # a finished pass: iterating again starts the epoch over
+
+    def state_dict(self) -> dict[str, int]:
+        pending = self._resume_epoch is not None  # loaded, not iterated yet
+        return {
+            "epoch": self._resume_epoch if pending else self.sampler.epoch,  # type: ignore[dict-item]
+            "batches": self._resume if pending else self.batches,
+            "micro_batch": self.micro_batch,
+            "replicas": self.sampler.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume where ``state`` was taken. Saved at another data-parallel size or micro-batch
+        size, it skips the same number of samples of the epoch (the global batches coincide
+        when the global batch size is the same)."""
+        self.sampler.set_epoch(state["epoch"])
+        consumed = state["batches"] * state["micro_batch"] * state["replicas"]
+        per_step = self.micro_batch * self.sampler.num_replicas
+        self._resume, self._resume_epoch = consumed // per_step, state["epoch"]
 
 
 def build_dataloader(
@@ -20,12 +87,9 @@ def build_dataloader(
     drop_last: bool = False,
     seed: int = 0,
     shuffle: bool = True,
-) -> DataLoader[Any]:
-    """A DataLoader yielding micro-batches of this rank's shard of ``dataset``.
-
-    Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle order.
-    """
-    sampler: DistributedSampler[Any] = DistributedSampler(
+) -> ResumableDataLoader:
+    """A resumable loader yielding micro-batches of this rank's shard of ``dataset``."""
+    sampler = _SkippingSampler(
         dataset,
         num_replicas=dp_world_size,
         rank=dp_rank,
@@ -33,6 +97,14 @@ def build_dataloader(
         seed=seed,
         drop_last=drop_last,
     )
-    return DataLoader(
-        dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last
+    # Its own generator: starting an iteration draws a worker base seed, which must not
+    # consume the global RNG (dropout masks would then depend on when an epoch began).
+    loader = DataLoader(
+        dataset,
+        batch_size=micro_batch,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed),
     )
+    return ResumableDataLoader(loader, sampler, micro_batch)

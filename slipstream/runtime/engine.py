@@ -47,6 +47,7 @@ class Engine(nn.Module):
         self.config = config
         self.mesh = mesh
         self.device = device
+        self.training_dataloader: Any = None  # set by initialize when it builds one
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -225,6 +226,51 @@ class Engine(nn.Module):
         dtype = torch.float16 if self.fp16_enabled() else torch.bfloat16
         save_16bit_model(self.module, save_dir, dtype=dtype)
         return True
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save a sharded checkpoint to ``save_dir/tag`` (default tag ``global_step{N}``).
+
+        Every rank must call it; each writes only its shards. The directory appears
+        atomically when complete; with ``save_latest`` the ``latest`` file names it. The
+        checkpoint loads at any world size and ZeRO stage. ``client_state`` round-trips.
+        """
+        from slipstream.checkpoint import save_checkpoint
+
+        if exclude_frozen_parameters:
+            raise ValueError("exclude_frozen_parameters=True is not supported yet: pass False")
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load a checkpoint saved at any world size and stage; returns ``(path, client_state)``.
+
+        ``(None, None)`` (with a log line) when ``tag`` is None and there is no ``latest``.
+        """
+        from slipstream.checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
 
     @contextmanager
     def gathered_for_generation(self) -> Iterator[nn.Module]:

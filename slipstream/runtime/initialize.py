@@ -132,6 +132,7 @@ def initialize(
             seed=cfg.seed or 0,
         )
     engine = Engine(model, zero_opt, scheduler, cfg, mesh, device)
+    engine.training_dataloader = loader
     log_rank0(
         "slipstream: world=%d dp=%d zero_stage=%d dtype=%s batch=%s (global, micro, accumulation)",
         comm.get_world_size(),

@@ -1,0 +1,239 @@
+"""What an engine's state is in checkpoint terms, and how to put it back at any world/stage.
+
+Every rank writes, for each flat bucket, the part of each parameter that falls in the bucket's
+``shard_slice(dp_rank)`` (at stage 0 too, so writing is spread over the ranks): its value
+(``model/``), its separate fp32 master (``master/``) and its optimizer states
+(``optim/<key>/``), all flattened. Loading reads, for each bucket of the *new* layout, exactly
+the ranges the new rank holds: the full parameters at stages 0-2, its shard at stage 3, the
+master and optimizer ranges it owns. Scalar optimizer states (Adam's ``step``) are the same for
+every piece of a param group and are kept per group in the manifest.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.checkpoint.format import CheckpointError, CheckpointReader, dtype_name
+from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.stage3 import ShardedStore
+
+__all__ = ["Collected", "collect_state", "restore_state"]
+
+
+@dataclass
+class Collected:
+    """This rank's share of a checkpoint."""
+
+    pieces: dict[str, tuple[str, int, int, torch.Tensor]] = field(default_factory=dict)
+    tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    optim_scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, tensor: str, start: int, data: torch.Tensor, shape: tuple[int, ...]) -> None:
+        data = data.reshape(-1)
+        if data.numel() == 0:
+            return
+        key = f"{tensor}@{start}"
+        self.pieces[key] = (tensor, start, start + data.numel(), data)
+        self.tensors[tensor] = (tuple(shape), dtype_name(data.dtype))
+
+
+def _frozen(module: nn.Module, opt: ZeroOptimizer | None) -> list[tuple[str, nn.Parameter]]:
+    bucketed = set() if opt is None else {id(p) for b in opt.buckets for p in b.params}
+    return [(n, p) for n, p in module.named_parameters() if id(p) not in bucketed]
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    params = {n for n, _ in module.named_parameters()}
+    return {
+        n: t
+        for n, t in module.state_dict(keep_vars=True).items()
+        if n not in params and isinstance(t, torch.Tensor)
+    }
+
+
+def _scalar(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"value": value.item(), "tensor": True, "dtype": dtype_name(value.dtype)}
+    return {"value": value, "tensor": False}
+
+
+@torch.no_grad()
+def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Collected:
+    """Gather (as views, no copies where possible) what this rank writes."""
+    out = Collected()
+    if rank == 0:
+        for name, p in _frozen(module, opt):
+            out.add(f"model/{name}", 0, p.detach(), tuple(p.shape))
+        for name, t in _buffers(module).items():
+            out.add(f"buffer/{name}", 0, t.detach(), tuple(t.shape))
+    if opt is None:
+        return out
+    for b, bucket in enumerate(opt.buckets):
+        if opt.swapper is not None:
+            opt._swap_in(b)
+        lo, _ = opt.store.owned_range(b)
+        region, master = opt.store.owned(b), opt.masters[b]
+        separate = master.data_ptr() != region.data_ptr()
+        w = bucket.shard_slice(opt.dp_rank)
+        for p, off, name in zip(bucket.params, bucket.offsets, bucket.names):
+            s, e = max(off, w.start), min(off + p.numel(), w.stop)
+            if s >= e:
+                continue
+            shape = tuple(p.shape)
+            out.add(f"model/{name}", s - off, region[s - lo : e - lo], shape)
+            if separate:
+                out.add(f"master/{name}", s - off, master[s - lo : e - lo], shape)
+        for view, chunk in zip(opt._views[b], opt._chunks[b]):
+            state = opt.optimizer.state.get(view)
+            if not state:
+                continue
+            c0 = lo + chunk.start  # chunk start in bucket coordinates
+            i = _param_at(bucket.offsets, c0)
+            off, p, name = bucket.offsets[i], bucket.params[i], bucket.names[i]
+            s, e = max(c0, w.start), min(lo + chunk.stop, w.stop)
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.numel() == view.numel() > 0:
+                    if s < e:
+                        piece = value.reshape(-1)[s - c0 : e - c0]
+                        out.add(f"optim/{key}/{name}", s - off, piece, tuple(p.shape))
+                else:
+                    out.optim_scalars.setdefault(bucket.group_index, {})[key] = _scalar(value)
+        if opt.swapper is not None:
+            # Pieces must outlive the swap-out that frees them.
+            for k, (name_, s0, s1, data) in list(out.pieces.items()):
+                out.pieces[k] = (name_, s0, s1, data.clone())
+            opt._swap_out(b)
+    return out
+
+
+def _param_at(offsets: list[int], pos: int) -> int:
+    """Index of the parameter whose flat extent starts at or before ``pos``."""
+    return bisect.bisect_right(offsets, pos) - 1
+
+
+def check_compatible(
+    reader: CheckpointReader, module: nn.Module, opt: ZeroOptimizer | None
+) -> None:
+    """Same parameter names and shapes as the checkpoint, or an error listing the differences."""
+    have = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    saved = {n: reader.shape(f"model/{n}") for n in reader.names("model")}
+    missing = sorted(set(have) - set(saved))
+    unexpected = sorted(set(saved) - set(have))
+    wrong = [
+        f"{n}: model {have[n]} vs checkpoint {saved[n]}"
+        for n in have
+        if n in saved and have[n] != saved[n]
+    ]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:8]}")
+        if unexpected:
+            parts.append(f"not in the model: {unexpected[:8]}")
+        if wrong:
+            parts.append(f"shape mismatch: {wrong[:8]}")
+        raise CheckpointError(
+            f"checkpoint {reader.dir} does not fit this model ({'; '.join(parts)}). Build the "
+            "same model architecture as the one that was saved"
+        )
+
+
+def _value_source(reader: CheckpointReader, name: str, dtype: torch.dtype) -> str:
+    """Where a parameter's value comes from: its own dtype if saved so, else the fp32 master."""
+    model = f"model/{name}"
+    master = f"master/{name}"
+    if reader.dtype(model) != dtype and reader.has(master):
+        return master
+    return model
+
+
+@torch.no_grad()
+def restore_state(
+    reader: CheckpointReader,
+    module: nn.Module,
+    opt: ZeroOptimizer | None,
+    load_optimizer_states: bool,
+) -> None:
+    """Fill parameters, masters and (optionally) optimizer states from ``reader``."""
+    check_compatible(reader, module, opt)
+    for name, p in _frozen(module, opt):
+        reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
+    buffers = _buffers(module)
+    for name in reader.names("buffer"):
+        if name in buffers:
+            buffers[name].copy_(reader.read_full(f"buffer/{name}"))
+    if opt is None:
+        return
+    stage3 = isinstance(opt.store, ShardedStore)
+    scalars: dict[str, dict[str, Any]] = reader.manifest.get("optim_scalars", {})
+    keys: list[str] = reader.manifest.get("optim_keys", [])
+    for b, bucket in enumerate(opt.buckets):
+        if opt.swapper is not None:
+            opt._swap_in(b)
+        lo, hi = opt.store.owned_range(b)
+        region, master = opt.store.owned(b), opt.masters[b]
+        separate = master.data_ptr() != region.data_ptr()
+        for p, off, name in zip(bucket.params, bucket.offsets, bucket.names):
+            n = p.numel()
+            src = _value_source(reader, name, region.dtype)
+            if stage3:
+                s, e = max(off, lo), min(off + n, hi)
+                if s < e:
+                    reader.read(src, s - off, e - off, out=region[s - lo : e - lo])
+            else:
+                reader.read(src, out=bucket.flat[off : off + n])
+            s, e = max(off, lo), min(off + n, hi)
+            if separate and s < e:
+                msrc = f"master/{name}" if reader.has(f"master/{name}") else f"model/{name}"
+                reader.read(msrc, s - off, e - off, out=master[s - lo : e - lo])
+        if load_optimizer_states:
+            _restore_optimizer_states(reader, opt, b, keys, scalars)
+        if opt.swapper is not None:
+            opt._swap_out(b)
+    if stage3:
+        assert isinstance(opt.store, ShardedStore)
+        works = [opt.store.publish(b) for b in range(len(opt.buckets))]
+        for w in works:
+            if w is not None:
+                w.wait()  # type: ignore[attr-defined]
+
+
+def _restore_optimizer_states(
+    reader: CheckpointReader,
+    opt: ZeroOptimizer,
+    b: int,
+    keys: list[str],
+    scalars: dict[str, dict[str, Any]],
+) -> None:
+    bucket = opt.buckets[b]
+    lo, _ = opt.store.owned_range(b)
+    group_scalars = scalars.get(str(bucket.group_index), {})
+    for view, chunk in zip(opt._views[b], opt._chunks[b]):
+        c0 = lo + chunk.start
+        i = _param_at(bucket.offsets, c0)
+        off, name = bucket.offsets[i], bucket.names[i]
+        state: dict[str, Any] = {}
+        for key in keys:
+            tensor = f"optim/{key}/{name}"
+            if not reader.has(tensor):
+                raise CheckpointError(
+                    f"checkpoint {reader.dir} has optimizer state '{key}' but not for parameter "
+                    f"'{name}'"
+                )
+            state[key] = reader.read(tensor, c0 - off, c0 - off + view.numel()).to(view.device)
+        for key, entry in group_scalars.items():
+            value = entry["value"]
+            if entry["tensor"]:
+                from slipstream.checkpoint.format import dtype_from_name
+
+                value = torch.tensor(value, dtype=dtype_from_name(entry["dtype"]))
+            state[key] = value
+        if state:
+            opt.optimizer.state[view] = state
+        else:
+            opt.optimizer.state.pop(view, None)
