@@ -1,6 +1,13 @@
 """Sharded, reshardable, atomic and verified checkpoints (see ``format`` for the layout)."""
 
 from slipstream.checkpoint.api import load_checkpoint, save_checkpoint
+from slipstream.checkpoint.export import convert_checkpoint
 from slipstream.checkpoint.format import CheckpointError, CheckpointReader
 
-__all__ = ["CheckpointError", "CheckpointReader", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointReader",
+    "convert_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream._logging import log_rank0
+from slipstream.checkpoint.export import HF_CONFIG
 from slipstream.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -29,6 +30,7 @@ from slipstream.checkpoint.format import (
     CheckpointReader,
     atomic_write_text,
     commit_dir,
+    file_digest,
     fsync_dir,
     write_object,
     write_pieces,
@@ -168,6 +170,10 @@ def save_checkpoint(
                 else None,
             },
         )
+    hf_config = getattr(getattr(engine.module, "config", None), "to_json_string", None)
+    if rank == 0 and callable(hf_config):  # a Hugging Face model: convert writes config.json
+        (tmp / HF_CONFIG).write_text(hf_config())
+        files[HF_CONFIG] = file_digest(tmp / HF_CONFIG)
     mine = {
         "files": files,
         "pieces": [[t, s, e, shard_name, key] for key, (t, s, e, _) in collected.pieces.items()],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 __all__ = [
@@ -81,7 +81,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def file_digest(path: Path, chunk: int = 1 << 24) -> tuple[int, int]:
+def file_digest(path: Path, chunk: int = 1 << 22) -> tuple[int, int]:
     """(size in bytes, CRC-32) of ``path``, read in chunks."""
     crc, size = 0, 0
     with open(path, "rb") as f:
@@ -175,7 +175,7 @@ class CheckpointReader:
         for plist in self.pieces.values():
             plist.sort(key=lambda p: p.start)
         self._verified: set[str] = set()
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, _PieceFile] = {}
 
     # ------------------------------------------------------------------ files
     def verify(self, name: str) -> Path:
@@ -206,9 +206,9 @@ class CheckpointReader:
         """A ``torch.save``d object of this checkpoint (trusted: written by slipstream)."""
         return torch.load(self.verify(name), map_location="cpu", weights_only=False)
 
-    def _handle(self, name: str) -> Any:
+    def _handle(self, name: str) -> _PieceFile:
         if name not in self._handles:
-            self._handles[name] = safe_open(str(self.verify(name)), framework="pt")
+            self._handles[name] = _PieceFile(self.verify(name))
         return self._handles[name]
 
     # ---------------------------------------------------------------- tensors
@@ -252,9 +252,7 @@ class CheckpointReader:
             lo, hi = max(start, piece.start), min(stop, piece.stop)
             if lo >= hi:
                 continue
-            part = self._handle(piece.file).get_slice(piece.key)[
-                lo - piece.start : hi - piece.start
-            ]
+            part = self._handle(piece.file).read(piece.key, lo - piece.start, hi - piece.start)
             out[lo - start : hi - start].copy_(part)
             covered += hi - lo
         if covered != stop - start:
@@ -268,7 +266,99 @@ class CheckpointReader:
         return self.read(tensor).reshape(self.shape(tensor))
 
     def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
         self._handles.clear()
+
+
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class _PieceFile:
+    """Ranges of 1-D tensors in a safetensors file, read with ``pread`` (no memory map: a
+    mapped file's touched pages stay resident, and a file replaced underneath a map crashes
+    the process instead of raising)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.header: dict[str, Any] = json.loads(os.pread(self.fd, length, 8))
+        self.data_start = 8 + length
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        entry = self.header.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.path} has no tensor '{key}'")
+        dtype = _ST_DTYPES[entry["dtype"]]
+        size = torch.empty((), dtype=dtype).element_size()
+        begin = self.data_start + entry["data_offsets"][0] + start * size
+        raw = bytearray((stop - start) * size)
+        if os.preadv(self.fd, [raw], begin) != len(raw):
+            raise CheckpointError(f"{self.path}: tensor '{key}' is cut short")
+        if not raw:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(raw, dtype=dtype)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class StreamingSafetensorsWriter:
+    """Write one safetensors file tensor by tensor: the header is computed from the shapes
+    up front, so only one tensor needs to be in memory at a time."""
+
+    def __init__(self, path: Path, layout: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        header: dict[str, Any] = {}
+        offset = 0
+        self.expected: list[tuple[str, int]] = []
+        for name, shape, dtype in layout:
+            n = 1
+            for d in shape:
+                n *= d
+            nbytes = n * torch.empty((), dtype=dtype).element_size()
+            header[name] = {
+                "dtype": _ST_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self.expected.append((name, nbytes))
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.path = path
+        self.f = open(path, "wb")  # noqa: SIM115 - closed in finish()
+        self.f.write(struct.pack("<Q", len(blob)) + blob)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want, nbytes = self.expected[self._next]
+        if name != want:
+            raise ValueError(f"{self.path}: expected tensor '{want}' next, got '{name}'")
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if data.nbytes != nbytes:
+            raise ValueError(f"{self.path}: tensor '{name}' has {data.nbytes} bytes, not {nbytes}")
+        self.f.write(data.data)
+        self._next += 1
+
+    def finish(self) -> None:
+        if self._next != len(self.expected):
+            raise ValueError(f"{self.path}: only {self._next} of {len(self.expected)} written")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
 
 
 def tensor_table(entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, Any]:

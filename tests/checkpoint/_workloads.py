@@ -183,3 +183,28 @@ def failures(root: str) -> dict[str, Any]:
     engine.destroy()
     engine2.destroy()
     return out
+
+
+def hf_save(root: str) -> dict[str, torch.Tensor]:
+    """Train a tiny HF Llama 4 steps at ZeRO-3 (bf16), save; return its gathered parameters
+    (WarmupLR: the first two steps run at lr 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    world = dist.get_world_size()
+    engine, *_ = slipstream.initialize(model=LlamaForCausalLM(cfg), config=_config(3, world, True))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(4):
+        x = torch.randint(0, 256, (GLOBAL_BATCH // world, SEQ), generator=g)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    engine.save_checkpoint(root)
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    masters = engine.optimizer.masters
+    engine.destroy()
+    return {"params": params, "n_masters": len(masters)}  # type: ignore[dict-item]
