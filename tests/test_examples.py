@@ -20,3 +20,22 @@ def test_zero3_example_through_launcher(tmp_path):
     assert proc.returncode == 0, text[-3000:]
     assert "final loss" in text and "exported to" in text
     assert (out / "model.safetensors.index.json").is_file()
+
+
+def _run(*args: str, nproc: int) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream.cli.main", "run", "--nproc", str(nproc), *args],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+def test_checkpoint_example_resumes_at_another_world_size_and_stage(tmp_path):
+    script, ckpt = str(ROOT / "examples" / "checkpoint_reshard.py"), str(tmp_path / "ckpt")
+    _run(script, "--stage", "3", "--dir", ckpt, "--steps", "3", nproc=2)
+    text = _run(script, "--stage", "1", "--dir", ckpt, "--steps", "1", nproc=1)
+    line = next(t for t in text.splitlines() if t.startswith("resumed"))
+    got, saved = line.split("probe loss ")[1].split(" (saved: ")
+    assert got == saved.rstrip(")"), line
