@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from slipstream.config._errors import ConfigError
 from slipstream.zero.init import deferred_init_active
@@ -75,6 +76,11 @@ class GPTConfig:
     """Share one matrix between ``embed_tokens`` and ``lm_head``."""
     dropout: float = 0.0
     """Dropout on attention probabilities and on each residual branch, in [0, 1)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them
+    (``torch.utils.checkpoint``, non-reentrant, RNG state preserved so dropout matches):
+    activation memory drops from O(layers x block internals) to O(layers x hidden) at the
+    cost of one extra forward per block. Only applies while autograd records."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -363,8 +369,12 @@ class GPT(nn.Module):
         x = self.embed_dropout(self.embed_tokens(input_ids))
         cos = self.rope_cos[:t].to(x.dtype)
         sin = self.rope_sin[:t].to(x.dtype)
+        checkpointed = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if checkpointed:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
