@@ -36,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,10 +50,15 @@ __all__ = [
     "BenchConfig",
     "Framework",
     "FrameworkResult",
+    "PeakMemory",
     "RankResult",
     "Trainer",
+    "WorldOutcome",
     "optimizer_state_bytes",
     "run_framework",
+    "spawn_world",
+    "token_batch",
+    "warm_imports",
 ]
 
 
@@ -211,9 +217,42 @@ def run_framework(
     ``framework`` and ``model_factory`` are pickled to the spawned ranks, so they must be
     module-level objects (or partials of them).
     """
+    outcome = spawn_world(name, cfg, partial(_train_rank, framework, cfg, model_factory))
+    if not outcome.ok:
+        return FrameworkResult(name, error=outcome.error, detail=outcome.detail)
+    return FrameworkResult(name, ranks=[RankResult(**record) for record in outcome.records])
+
+
+@dataclass
+class WorldOutcome:
+    """What the ranks of one spawned world returned, or why they did not."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """Each rank's JSON-serializable record, in rank order (complete only on success)."""
+    error: str | None = None
+    """First line of the root-cause failure; None on success."""
+    detail: str | None = None
+    """Traceback and the rank logs' directory (kept on failure)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def spawn_world(
+    name: str, cfg: BenchConfig, body: Callable[[int, torch.device], dict[str, Any]]
+) -> WorldOutcome:
+    """Run ``body(rank, device)`` on each of ``cfg.world`` fresh spawned processes.
+
+    Each rank gets the rendezvous environment variables, ``cores // world`` threads, its
+    device and an initialized gloo (CPU) or NCCL (CUDA) default group before ``body`` runs;
+    its stdout/stderr go to a log file. ``body`` must be picklable (a module-level function
+    or a partial of one) and return a JSON-serializable dict. Never raises for a failure
+    inside the world: the first-raised rank error (the root cause) is returned instead, and
+    ranks still alive after ``cfg.timeout_s`` are killed.
+    """
     out_dir = Path(tempfile.mkdtemp(prefix=f"slipstream-bench-{name}-"))
-    port = _free_port()
-    args = (name, framework, cfg, model_factory, str(out_dir), port)
+    args = (body, cfg, str(out_dir), _free_port())
     threads = max(1, _cpu_count() // cfg.world)
     ctx = None
     try:
@@ -222,16 +261,16 @@ def run_framework(
                 _worker, args=args, nprocs=cfg.world, join=False, start_method="spawn"
             )
         failure = _join(ctx, cfg.timeout_s)
-        ranks, errors = _collect(out_dir, cfg.world)
+        records, errors = _collect(out_dir, cfg.world)
     except Exception as exc:  # spawning or collecting failed: a harness bug, not the peer's
-        return FrameworkResult(name, error=_first_line(exc), detail=traceback.format_exc())
+        return WorldOutcome(error=_first_line(exc), detail=traceback.format_exc())
     finally:
         _kill(ctx)
-    if failure is None and not errors and len(ranks) == cfg.world:
+    if failure is None and not errors and len(records) == cfg.world:
         shutil.rmtree(out_dir, ignore_errors=True)
-        return FrameworkResult(name, ranks=ranks)
+        return WorldOutcome(records=records)
     error, detail = errors[0] if errors else (failure or "rank produced no result", None)
-    return FrameworkResult(name, error=error, detail=f"{detail or ''}\nrank logs: {out_dir}")
+    return WorldOutcome(error=error, detail=f"{detail or ''}\nrank logs: {out_dir}")
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
@@ -264,18 +303,17 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 def _worker(
     rank: int,
-    name: str,
-    framework: Framework,
+    body: Callable[[int, torch.device], dict[str, Any]],
     cfg: BenchConfig,
-    model_factory: Callable[[], nn.Module],
     out_dir: str,
     port: int,
 ) -> None:
     out = Path(out_dir)
     _redirect_output(out / f"rank{rank}.log")
     try:
-        result = _run_rank(rank, framework, cfg, model_factory, port)
-        (out / f"rank{rank}.json").write_text(json.dumps({"result": asdict(result)}))
+        device = _init_rank(rank, cfg, port)
+        result = body(rank, device)
+        (out / f"rank{rank}.json").write_text(json.dumps({"result": result}))
     except BaseException as exc:
         record = {
             "error": _first_line(exc),
@@ -289,13 +327,8 @@ def _worker(
             dist.destroy_process_group()
 
 
-def _run_rank(
-    rank: int,
-    framework: Framework,
-    cfg: BenchConfig,
-    model_factory: Callable[[], nn.Module],
-    port: int,
-) -> RankResult:
+def _init_rank(rank: int, cfg: BenchConfig, port: int) -> torch.device:
+    """Rendezvous variables, threads, device and the default process group of one rank."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -310,13 +343,23 @@ def _run_rank(
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=cfg.world)
+    return device
+
+
+def _train_rank(
+    framework: Framework,
+    cfg: BenchConfig,
+    model_factory: Callable[[], nn.Module],
+    rank: int,
+    device: torch.device,
+) -> dict[str, Any]:
     framework.prepare(cfg)
-    _warm_imports(model_factory)
-    memory = _PeakMemory(device)
+    warm_imports(model_factory)
+    memory = PeakMemory(device)
     torch.manual_seed(cfg.seed)
     model = model_factory().to(device)
     trainer = framework.build(model, cfg)
-    input_ids, labels = _token_batch(cfg, rank, device)
+    input_ids, labels = token_batch(cfg, rank, device)
     losses = [_step(trainer, input_ids, labels, device)[0] for _ in range(cfg.warmup)]
     memory.reset_peak()
     times = []
@@ -326,10 +369,10 @@ def _run_rank(
         losses.append(loss)
         times.append(seconds * 1e3)
     peak = memory.peak_bytes()
-    return _summarize(rank, cfg, times, losses, peak, memory, trainer.optimizer)
+    return asdict(_summarize(rank, cfg, times, losses, peak, memory, trainer.optimizer))
 
 
-def _warm_imports(model_factory: Callable[[], nn.Module]) -> None:
+def warm_imports(model_factory: Callable[[], nn.Module]) -> None:
     """Build the model once on the meta device, so the modules that construction imports
     lazily (``torch.device`` as a context manager pulls in ``torch._dynamo``, ~80 MB RSS)
     are loaded before the memory baseline instead of being charged to the framework."""
@@ -348,9 +391,10 @@ def _step(
     return loss, time.perf_counter() - start
 
 
-def _token_batch(
+def token_batch(
     cfg: BenchConfig, rank: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's fixed random (input_ids, labels) batch, the same for every framework."""
     gen = torch.Generator().manual_seed(cfg.seed + 1000 + rank)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq + 1), generator=gen)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -362,7 +406,7 @@ def _summarize(
     times: list[float],
     losses: list[float],
     peak: int,
-    memory: _PeakMemory,
+    memory: PeakMemory,
     optimizer: Any,
 ) -> RankResult:
     median = statistics.median(times)
@@ -389,8 +433,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-class _PeakMemory:
-    """Peak memory of this process since ``reset_peak``, see the module docstring."""
+class PeakMemory:
+    """Peak memory of this process since ``reset_peak``, see the module docstring.
+
+    ``baseline`` is the memory when the object is created; ``method`` says how the peak is read.
+    """
 
     _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -481,10 +528,10 @@ def _kill(ctx: mp.ProcessContext | None) -> None:
         proc.join()
 
 
-def _collect(out_dir: Path, world: int) -> tuple[list[RankResult], list[tuple[str, str]]]:
+def _collect(out_dir: Path, world: int) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
     """Read the rank records; errors come first-raised first (the root cause, not the
     peers' broken-connection errors that follow it)."""
-    ranks: list[RankResult] = []
+    records: list[dict[str, Any]] = []
     errors: list[tuple[float, str, str]] = []
     for rank in range(world):
         path = out_dir / f"rank{rank}.json"
@@ -494,8 +541,8 @@ def _collect(out_dir: Path, world: int) -> tuple[list[RankResult], list[tuple[st
         if "error" in record:
             errors.append((record["time"], record["error"], record["traceback"]))
         else:
-            ranks.append(RankResult(**record["result"]))
-    return ranks, [(error, tb) for _, error, tb in sorted(errors)]
+            records.append(record["result"])
+    return records, [(error, tb) for _, error, tb in sorted(errors)]
 
 
 def _free_port() -> int:
