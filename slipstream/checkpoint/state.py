@@ -48,12 +48,13 @@ def _frozen(module: nn.Module, opt: ZeroOptimizer | None) -> list[tuple[str, nn.
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    params = {n for n, _ in module.named_parameters()}
-    return {
-        n: t
-        for n, t in module.state_dict(keep_vars=True).items()
-        if n not in params and isinstance(t, torch.Tensor)
-    }
+    """Persistent buffers by state-dict name (what ``state_dict`` would hold)."""
+    out = {}
+    for mod_name, mod in module.named_modules():
+        for name, t in mod._buffers.items():
+            if t is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = t
+    return out
 
 
 def _scalar(value: Any) -> dict[str, Any]:

@@ -265,6 +265,13 @@ class ShardedStore:
 
     def install_hooks(self) -> None:
         handles = self.handles
+        # state_dict() would hand out views of released storage (reading them crashes the
+        # process): refuse with directions instead, unless the parameters are gathered.
+        owners = {id(m): m for u in self.units for m in u.module.modules()}
+        for mod in owners.values():
+            mine = [p for p in mod._parameters.values() if getattr(p, _OWNER_ATTR, None)]
+            if mine:
+                handles.append(mod.register_state_dict_pre_hook(_refuse_released))
         for unit in self.units:
             if not unit.uses:
                 continue
@@ -301,6 +308,19 @@ class ShardedStore:
                         "masters are swapped to NVMe (offload_optimizer.device = 'nvme') yet"
                     )
                 self.masters[b].copy_(self.shards[b])
+
+
+def _refuse_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    for name, p in module.named_parameters(recurse=False):
+        owner = getattr(p, _OWNER_ATTR, None)
+        if owner is not None and not owner[0].units[owner[1]].gathered:
+            raise RuntimeError(
+                f"state_dict() of a ZeRO-3 model while '{prefix}{name}' is partitioned (this rank "
+                "holds only its shard). Use engine.save_checkpoint(dir) or "
+                "engine.save_16bit_model(dir), or read it inside "
+                "`with slipstream.zero.GatheredParameters(list(model.parameters())):` and copy "
+                "the tensors (.clone()) before leaving the block"
+            )
 
 
 def shard_params_(
@@ -395,10 +415,10 @@ def _materialize_shards(
 def _finish(buckets: list[Bucket], units: list[Unit], dp_group: comm.Group) -> ShardedStore:
     store = ShardedStore(buckets, units, dp_group)
     store.release_all()
-    store.install_hooks()
     for b in buckets:
         for p in b.params:
             setattr(p, _OWNER_ATTR, (store, store.unit_of[b.index]))
+    store.install_hooks()
     return store
 
 

@@ -149,6 +149,7 @@ def all_checks(tmp: str) -> dict[str, Any]:
         "diverge": diverge(),
         "estimates": estimates(),
         "export": save_and_generate(tmp),
+        "guard": state_dict_guard(),
     }
 
 
@@ -206,3 +207,24 @@ def save_and_generate(tmp: str) -> dict[str, Any]:
     ref = GPT(GPTConfig.preset("tiny"))
     ref_tokens = ref.generate(torch.zeros(1, 1, dtype=torch.long), 5, temperature=0.0)
     return {"full": full, "tokens": tokens, "ref_tokens": ref_tokens}
+
+
+def state_dict_guard() -> dict[str, Any]:
+    """state_dict() of a partitioned model is a clear error; inside GatheredParameters it works."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, _, _, _ = slipstream.initialize(model=model, config=config)
+    try:
+        engine.module.state_dict()
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        n = len({k: v.clone() for k, v in engine.module.state_dict().items()})
+    engine.destroy()
+    return {"error": error, "n": n}

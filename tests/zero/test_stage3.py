@@ -96,3 +96,12 @@ def test_save_16bit_model_and_generation_context(results, export_dir):
         torch.testing.assert_close(loaded[name].float(), p.to(torch.bfloat16).float())
     for r in results:
         assert torch.equal(r["export"]["tokens"], r["export"]["ref_tokens"])
+
+
+def test_state_dict_of_a_partitioned_model_is_an_error_not_a_crash(results):
+    for r in results:
+        assert (
+            "state_dict() of a ZeRO-3 model while 'embed_tokens.weight' is partitioned"
+            in (r["guard"]["error"])
+        )
+        assert r["guard"]["n"] > 0
