@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import uuid
 from datetime import timedelta
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from slipstream._logging import log_rank0
 from slipstream.checkpoint.export import HF_CONFIG
@@ -49,19 +47,11 @@ LATEST = "latest"
 
 def _rendezvous(engine: Engine, what: str) -> None:
     """Every rank must call ``what``: name the ones that do not, within the timeout."""
-    if comm.get_world_size() == 1:
-        return
     timeout = timedelta(seconds=engine.config.checkpoint.barrier_timeout)
     try:
-        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        comm.monitored_barrier(timeout, what)
     except RuntimeError as e:
-        found = re.findall(r"Ranks? ([\d, ]+) failed", str(e))
-        missing = sorted({int(r) for r in re.findall(r"\d+", found[-1])}) if found else []
-        raise CheckpointError(
-            f"{what}: not every rank called it within {timeout.total_seconds():.0f} s "
-            f"(ranks that did not arrive: {missing or str(e)}). {what} must be called on every "
-            "rank, not only on rank 0"
-        ) from e
+        raise CheckpointError(f"{e}, not only on rank 0") from e
 
 
 def _agree(engine: Engine, value: str, what: str) -> str:

@@ -16,8 +16,9 @@ pieces ``[start, stop)`` that together cover it exactly once, so any rank of any
 size can read any range of it without knowing how the writer was sharded (resharding needs no
 conversion step). Safetensors files are read lazily: a range costs only its bytes.
 
-Saves are atomic: everything is written into a hidden temporary directory, fsynced, verified
-by rank 0 and renamed into place; ``latest`` is replaced by rename as well. A crash at any point
+Saves are atomic: everything is written into a hidden temporary directory and fsynced; each
+rank reports its files' sizes and CRC-32s; rank 0 writes the manifest and renames the directory
+into place; ``latest`` is replaced by rename as well. A crash at any point
 leaves the previous checkpoint and ``latest`` as they were.
 """
 

@@ -77,6 +77,7 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
     for b, bucket in enumerate(opt.buckets):
         if opt.swapper is not None:
             opt._swap_in(b)
+        before = set(out.pieces)
         lo, _ = opt.store.owned_range(b)
         region, master = opt.store.owned(b), opt.masters[b]
         separate = master.data_ptr() != region.data_ptr()
@@ -106,7 +107,8 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
                     out.optim_scalars.setdefault(bucket.group_index, {})[key] = _scalar(value)
         if opt.swapper is not None:
             # Pieces must outlive the swap-out that frees them.
-            for k, (name_, s0, s1, data) in list(out.pieces.items()):
+            for k in set(out.pieces) - before:
+                name_, s0, s1, data = out.pieces[k]
                 out.pieces[k] = (name_, s0, s1, data.clone())
             opt._swap_out(b)
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
@@ -313,6 +314,46 @@ def broadcast(
 def barrier(group: Group = None) -> None:
     comm_counters.record("barrier", group, 0, None)
     dist.barrier(group=group)
+
+
+_CONTROL: dict[str, Any] = {}
+
+
+def ensure_control_group() -> None:
+    """Create the gloo group ``monitored_barrier`` needs when the default backend is not gloo.
+
+    A collective call: every rank must make it (``initialize`` does, on every rank)."""
+    if not is_initialized() or "group" in _CONTROL:
+        return
+    if dist.get_backend() == "gloo":
+        _CONTROL["group"] = None  # the default group is gloo already
+    else:
+        _CONTROL["group"] = dist.new_group(backend="gloo")
+
+
+def monitored_barrier(timeout: timedelta, what: str) -> None:
+    """A barrier that names the ranks that did not arrive within ``timeout`` (any backend).
+
+    Raises:
+        RuntimeError: "``what``: ranks [..] did not arrive within N s".
+    """
+    if get_world_size() == 1:
+        return
+    if "group" not in _CONTROL:
+        raise RuntimeError(
+            "monitored_barrier needs the control group: call slipstream.initialize (or "
+            "comm.ensure_control_group on every rank) first"
+        )
+    comm_counters.record("barrier", None, 0, None)
+    try:
+        dist.monitored_barrier(_CONTROL["group"], timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        found = re.findall(r"Ranks? ([\d, ]+) failed", str(e))
+        missing = sorted({int(r) for r in re.findall(r"\d+", found[-1])}) if found else []
+        raise RuntimeError(
+            f"{what}: not every rank called it within {timeout.total_seconds():.0f} s (ranks "
+            f"that did not arrive: {missing or str(e)}). {what} must be called on every rank"
+        ) from e
 
 
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:

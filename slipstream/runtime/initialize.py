@@ -75,6 +75,7 @@ def initialize(
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     if dist_init_required is not False:
         comm.init_distributed()
+    comm.ensure_control_group()
     dims = ParallelDims(world_size=comm.get_world_size())
     mesh = build_mesh(dims)
     group = dp_group(mesh)

@@ -18,13 +18,18 @@ GLOBAL_BATCH = 8
 SEQ = 16
 
 
-def _config(stage: int, world: int, bf16: bool = False, **extra: Any) -> dict[str, Any]:
+def _config(
+    stage: int, world: int, bf16: bool = False, offload: dict[str, Any] | None = None, **extra: Any
+) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload is not None:
+        zero["offload_optimizer"] = offload
     return {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero,
         "bf16": {"enabled": bf16},
         **extra,
     }
@@ -35,12 +40,19 @@ def _dataset() -> TensorDataset:
     return TensorDataset(torch.randint(0, 256, (6 * GLOBAL_BATCH, SEQ + 1), generator=g))
 
 
-def _engine(stage: int, bf16: bool = False, dropout: float = 0.1, **extra: Any) -> Any:
+def _engine(
+    stage: int,
+    bf16: bool = False,
+    dropout: float = 0.1,
+    offload: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Any:
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", dropout=dropout))
+    config = _config(stage, world, bf16, offload, **extra)
     engine, _, loader, _ = slipstream.initialize(
-        model=model, config=_config(stage, world, bf16, **extra), training_data=_dataset()
+        model=model, config=config, training_data=_dataset()
     )
     return engine, loader
 
@@ -63,22 +75,29 @@ def _train(engine: Any, loader: Any, steps: int) -> list[float]:
     return losses
 
 
-def exact_resume(root: str, stage: int, bf16: bool) -> dict[str, Any]:
+def exact_resume(root: str, stage: int, bf16: bool, nvme: bool = False) -> dict[str, Any]:
     """Uninterrupted 8 steps vs 4 steps + save + fresh engine + load + 4 steps (crosses an
-    epoch boundary: 6 steps per epoch)."""
-    engine, loader = _engine(stage, bf16)
+    epoch boundary: 6 steps per epoch). ``nvme``: optimizer states swapped to files."""
+
+    def build(run: int) -> Any:
+        if not nvme:
+            return _engine(stage, bf16)
+        swap = os.path.join(root, f"swap{run}")  # the swapper adds a per-rank subdirectory
+        return _engine(stage, bf16, offload={"device": "nvme", "nvme_path": swap})
+
+    engine, loader = build(0)
     straight = _train(engine, loader, 8)
     engine.destroy()
 
     d = os.path.join(root, f"s{stage}-{int(bf16)}")
-    engine, loader = _engine(stage, bf16)
+    engine, loader = build(1)
     first = _train(engine, loader, 4)
     engine.save_checkpoint(d, client_state={"note": "hello", "step": 4})
     _train(engine, loader, 2)  # moves on: the load below must bring everything back
     engine.destroy()
 
     torch.manual_seed(123)  # a different RNG state: the checkpoint restores it
-    engine, loader = _engine(stage, bf16)
+    engine, loader = build(2)
     path, client = engine.load_checkpoint(d)
     steps = engine.global_steps
     resumed = _train(engine, loader, 4)

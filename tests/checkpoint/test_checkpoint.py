@@ -30,6 +30,12 @@ def test_bf16_resume_is_bit_identical(tmp_path):
         assert r["resumed"] == r["straight"]
 
 
+def test_resume_with_nvme_offloaded_optimizer_states_is_bit_identical(tmp_path):
+    """Swapped-out Adam states and fp32 masters are checkpointed and restored (stage 3, bf16)."""
+    for r in run_world(w.exact_resume, 2, str(tmp_path), 3, True, True):
+        assert r["resumed"] == r["straight"]
+
+
 def _logical(path: str) -> dict[str, torch.Tensor]:
     reader = CheckpointReader(path)
     return {t: reader.read(t) for t in reader.tensors}
