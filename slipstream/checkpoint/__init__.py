@@ -1,6 +1,6 @@
 """Sharded, reshardable, atomic and verified checkpoints (see ``format`` for the layout)."""
 
-from slipstream.checkpoint.api import load_checkpoint, save_checkpoint
+from slipstream.checkpoint.api import finish_save, load_checkpoint, save_checkpoint
 from slipstream.checkpoint.export import convert_checkpoint
 from slipstream.checkpoint.format import CheckpointError, CheckpointReader
 
@@ -8,6 +8,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "convert_checkpoint",
+    "finish_save",
     "load_checkpoint",
     "save_checkpoint",
 ]

@@ -11,7 +11,9 @@ import json
 import os
 import random
 import shutil
+import threading
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +42,7 @@ from slipstream.version import __version__
 if TYPE_CHECKING:
     from slipstream.runtime.engine import Engine
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["PendingSave", "finish_save", "load_checkpoint", "save_checkpoint"]
 
 LATEST = "latest"
 
@@ -96,6 +98,32 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+@dataclass
+class PendingSave:
+    """A save whose shard file is being written in the background (``async_save``)."""
+
+    root: Path
+    tmp: Path
+    tag: str
+    save_latest: bool
+    files: dict[str, tuple[int, int]]
+    mine: dict[str, Any]
+    meta: dict[str, Any]
+    thread: threading.Thread | None = None
+    shard: tuple[str, Path, dict[str, torch.Tensor]] | None = None
+    error: BaseException | None = None
+
+    def write_shard(self) -> None:
+        assert self.shard is not None
+        name, path, tensors = self.shard
+        try:
+            self.files[name] = write_pieces(path, tensors)
+        except BaseException as e:  # re-raised by finish_save on the training thread
+            self.error = e
+        finally:
+            self.shard = None  # drop the snapshot as soon as it is on disk
+
+
 def save_checkpoint(
     engine: Engine,
     save_dir: str | os.PathLike[str],
@@ -103,7 +131,14 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
 ) -> bool:
-    """Write a sharded, reshardable checkpoint of ``engine`` to ``save_dir/tag`` atomically."""
+    """Write a sharded, reshardable checkpoint of ``engine`` to ``save_dir/tag`` atomically.
+
+    With ``checkpoint.async_save`` the state is snapshotted (copied) now and the shard files
+    are written by a background thread while training goes on; the checkpoint is committed
+    (manifest, rename, ``latest``) by ``engine.wait_for_checkpoint()``, which the next save,
+    load and ``destroy`` call first.
+    """
+    finish_save(engine)
     cfg = engine.config.checkpoint
     if cfg.use_node_local_storage:
         raise CheckpointError(
@@ -138,9 +173,6 @@ def save_checkpoint(
     collected = collect_state(engine.module, opt, rank)
     shard_name = f"rank-{rank:05d}.safetensors"
     files: dict[str, tuple[int, int]] = {}
-    files[shard_name] = write_pieces(
-        tmp / shard_name, {k: v[3] for k, v in collected.pieces.items()}
-    )
     extra_name = f"rank-{rank:05d}.pt"
     loader = engine.training_dataloader
     files[extra_name] = write_object(
@@ -165,42 +197,67 @@ def save_checkpoint(
         (tmp / HF_CONFIG).write_text(hf_config())
         files[HF_CONFIG] = file_digest(tmp / HF_CONFIG)
     mine = {
-        "files": files,
         "pieces": [[t, s, e, shard_name, key] for key, (t, s, e, _) in collected.pieces.items()],
         "tensors": collected.tensors,
         "scalars": collected.optim_scalars,
     }
-    every = comm.all_gather_object(mine)
-    if rank == 0:
-        manifest = _manifest(engine, every, world)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        with open(tmp / MANIFEST, "rb+") as f:
-            os.fsync(f.fileno())
-        final = root / tag
-        commit_dir(tmp, final)
-        if save_latest:
-            atomic_write_text(root / LATEST, tag)
-        if cfg.keep_last is not None:
-            _retain(root, cfg.keep_last, keep=tag)
-    comm.barrier()
-    log_rank0("saved checkpoint %s", root / tag)
+    pending = PendingSave(root, tmp, tag, save_latest, files, mine, _engine_meta(engine, world))
+    tensors = {k: v[3] for k, v in collected.pieces.items()}
+    if cfg.async_save:
+        # Snapshot: training may change parameters and states in place from here on.
+        pending.shard = (shard_name, tmp / shard_name, {k: t.clone() for k, t in tensors.items()})
+        pending.thread = threading.Thread(
+            target=pending.write_shard, name="slipstream-checkpoint", daemon=True
+        )
+        pending.thread.start()
+        engine._pending_save = pending
+        return True
+    pending.shard = (shard_name, tmp / shard_name, tensors)
+    pending.write_shard()
+    _commit(engine, pending)
     return True
 
 
-def _manifest(engine: Engine, every: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    files: dict[str, Any] = {}
-    pieces: list[Any] = []
-    tensors: dict[str, Any] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for part in every:
-        files.update({k: list(v) for k, v in part["files"].items()})
-        pieces.extend(part["pieces"])
-        for name, (shape, dtype) in part["tensors"].items():
-            tensors[name] = {"shape": list(shape), "dtype": dtype}
-        for group, entries in part["scalars"].items():
-            scalars.setdefault(str(group), {}).update(entries)
+def finish_save(engine: Engine) -> None:
+    """Commit an asynchronous save still in flight (every rank must call it); no-op if none."""
+    pending = engine._pending_save
+    if pending is None:
+        return
+    engine._pending_save = None
+    if pending.thread is not None:
+        pending.thread.join()
+    _commit(engine, pending)
+
+
+def _commit(engine: Engine, pending: PendingSave) -> None:
+    """Gather every rank's files and pieces; rank 0 writes the manifest and renames."""
+    errors = comm.all_gather_object(None if pending.error is None else repr(pending.error))
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if failed:
+        if pending.error is not None:
+            raise pending.error
+        raise CheckpointError(
+            f"checkpoint {pending.root / pending.tag} was not saved: ranks {sorted(failed)} "
+            f"failed to write their shards ({failed})"
+        )
+    every = comm.all_gather_object(dict(pending.mine, files=pending.files))
+    if comm.get_rank() == 0:
+        manifest = _manifest(pending.meta, every)
+        (pending.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        with open(pending.tmp / MANIFEST, "rb+") as f:
+            os.fsync(f.fileno())
+        commit_dir(pending.tmp, pending.root / pending.tag)
+        if pending.save_latest:
+            atomic_write_text(pending.root / LATEST, pending.tag)
+        keep_last = engine.config.checkpoint.keep_last
+        if keep_last is not None:
+            _retain(pending.root, keep_last, keep=pending.tag)
+    comm.barrier()
+    log_rank0("saved checkpoint %s", pending.root / pending.tag)
+
+
+def _engine_meta(engine: Engine, world: int) -> dict[str, Any]:
     opt = engine.optimizer
-    keys = sorted({t.split("/")[1] for t in tensors if t.startswith("optim/")})
     return {
         "format_version": FORMAT_VERSION,
         "slipstream_version": __version__,
@@ -217,12 +274,30 @@ def _manifest(engine: Engine, every: list[dict[str, Any]], world: int) -> dict[s
         ]
         if opt is not None
         else [],
-        "optim_keys": keys,
-        "optim_scalars": scalars,
-        "tensors": tensors,
-        "pieces": pieces,
-        "files": files,
     }
+
+
+def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, Any]:
+    files: dict[str, Any] = {}
+    pieces: list[Any] = []
+    tensors: dict[str, Any] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for part in every:
+        files.update({k: list(v) for k, v in part["files"].items()})
+        pieces.extend(part["pieces"])
+        for name, (shape, dtype) in part["tensors"].items():
+            tensors[name] = {"shape": list(shape), "dtype": dtype}
+        for group, entries in part["scalars"].items():
+            scalars.setdefault(str(group), {}).update(entries)
+    keys = sorted({t.split("/")[1] for t in tensors if t.startswith("optim/")})
+    return dict(
+        meta,
+        optim_keys=keys,
+        optim_scalars=scalars,
+        tensors=tensors,
+        pieces=pieces,
+        files=files,
+    )
 
 
 def _retain(root: Path, keep_last: int, keep: str) -> None:
@@ -248,6 +323,7 @@ def load_checkpoint(
     load_module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load ``load_dir/tag`` (default: the tag in ``latest``) into ``engine``, resharding."""
+    finish_save(engine)
     if not load_module_strict:
         raise ValueError("load_module_strict=False is not supported yet: pass True")
     _rendezvous(engine, "load_checkpoint")

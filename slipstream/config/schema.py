@@ -64,6 +64,9 @@ class CheckpointConfig(StrictModel):
     """Not supported: checkpoints go to a directory every rank can reach."""
     keep_last: int | None = Field(default=None, ge=1)
     """Keep only the newest N tags in ``save_dir`` (deleted after a successful save)."""
+    async_save: bool = False
+    """Write shard files in a background thread (after an in-memory snapshot) while training
+    goes on; committed by the next save/load/destroy or ``engine.wait_for_checkpoint()``."""
     barrier_timeout: float = Field(default=300.0, gt=0)
     """Seconds to wait for every rank to enter save/load before naming the missing ranks."""
 

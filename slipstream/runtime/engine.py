@@ -48,6 +48,7 @@ class Engine(nn.Module):
         self.mesh = mesh
         self.device = device
         self.training_dataloader: Any = None  # set by initialize when it builds one
+        self._pending_save: Any = None  # an async checkpoint save not yet committed
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -272,6 +273,12 @@ class Engine(nn.Module):
             load_module_only,
         )
 
+    def wait_for_checkpoint(self) -> None:
+        """Commit an asynchronous ``save_checkpoint`` still in flight (every rank calls it)."""
+        from slipstream.checkpoint import finish_save
+
+        finish_save(self)
+
     @contextmanager
     def gathered_for_generation(self) -> Iterator[nn.Module]:
         """Gather ZeRO-3 parameters once for a generation loop (not once per token)."""
@@ -281,6 +288,7 @@ class Engine(nn.Module):
             yield module
 
     def destroy(self) -> None:
+        self.wait_for_checkpoint()
         if self.optimizer is not None:
             self.optimizer.destroy()
 

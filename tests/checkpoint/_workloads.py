@@ -75,15 +75,19 @@ def _train(engine: Any, loader: Any, steps: int) -> list[float]:
     return losses
 
 
-def exact_resume(root: str, stage: int, bf16: bool, nvme: bool = False) -> dict[str, Any]:
+def exact_resume(
+    root: str, stage: int, bf16: bool, nvme: bool = False, asynchronous: bool = False
+) -> dict[str, Any]:
     """Uninterrupted 8 steps vs 4 steps + save + fresh engine + load + 4 steps (crosses an
-    epoch boundary: 6 steps per epoch). ``nvme``: optimizer states swapped to files."""
+    epoch boundary: 6 steps per epoch). ``nvme``: optimizer states swapped to files;
+    ``asynchronous``: the save is written in the background while 2 more steps run."""
 
     def build(run: int) -> Any:
-        if not nvme:
-            return _engine(stage, bf16)
-        swap = os.path.join(root, f"swap{run}")  # the swapper adds a per-rank subdirectory
-        return _engine(stage, bf16, offload={"device": "nvme", "nvme_path": swap})
+        extra: dict[str, Any] = {"checkpoint": {"async_save": asynchronous}}
+        if nvme:
+            swap = os.path.join(root, f"swap{run}")  # the swapper adds a per-rank subdirectory
+            extra["offload"] = {"device": "nvme", "nvme_path": swap}
+        return _engine(stage, bf16, **extra)
 
     engine, loader = build(0)
     straight = _train(engine, loader, 8)

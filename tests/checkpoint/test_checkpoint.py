@@ -79,3 +79,10 @@ def test_a_rank_that_does_not_call_save_is_named(tmp_path):
     assert results[1] == "skipped"
     msg = results[0]
     assert "save_checkpoint: not every rank called it" in msg and "[1]" in msg, msg
+
+
+def test_async_save_snapshots_the_state_and_commits_later(tmp_path):
+    """checkpoint.async_save: training goes on while the shards are written; the checkpoint
+    holds the state at save time (bit-exact resume) once committed by the next load."""
+    for r in run_world(w.exact_resume, 2, str(tmp_path), 3, False, False, True):
+        assert r["resumed"] == r["straight"]
