@@ -43,6 +43,7 @@ def test_encode_decode_round_trip_and_errors() -> None:
         synthetic_genomes(1, 8, motif_length=16)
 
 
+@pytest.mark.slow
 def test_genome_lm_example_trains_and_compares_memory() -> None:
     """examples/genome_lm.py runs (tiny sizes): training log, held-out losses, memory table."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
