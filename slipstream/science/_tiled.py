@@ -19,8 +19,9 @@ formula gives NaN. Finite mask values (OpenFold's -1e9) need no special case.
 
 The broadcast axis N is processed in chunks of ``Tiling.n`` too, so the tile temporaries,
 O(B * n * H * (q * kv + (q + kv) * D)), do not grow with N. Peak extra memory is that plus the
-outputs (O; in backward dQ, dK, dV and the bias gradients) and the [B, N, H, L] log-sum-exp;
-for 16-bit inputs add one fp32 dQ accumulator per N chunk.
+outputs (O; in backward dQ, dK, dV and the bias gradients, accumulated in ``compute_dtype``)
+and the [B, N, H, L] log-sum-exp; for 16-bit inputs add fp32 copies of the current N chunk's
+Q, K, V (and O, dO and its dQ accumulator in backward).
 """
 
 from __future__ import annotations
