@@ -54,6 +54,8 @@ class OpStats:
 
     calls: int = 0
     bytes: int = 0
+    cross_node_bytes: float = 0.0
+    """This rank's share of the bytes crossing node boundaries (see ``_cross_node_bytes``)."""
 
 
 class CommCounters:
@@ -72,6 +74,8 @@ class CommCounters:
         entry = self.stats[(axis, op)]
         entry.calls += 1
         entry.bytes += nbytes
+        if _TOPOLOGY.get("ranks_per_node"):
+            entry.cross_node_bytes += _cross_node_bytes(op, group, nbytes)
         if self.verbose:
             logger.info("comm %s axis=%s bytes=%d label=%s", op, axis, nbytes, label or "-")
 
@@ -81,12 +85,64 @@ class CommCounters:
             out[axis] += entry.bytes
         return dict(out)
 
+    def cross_node_bytes(self) -> float:
+        """This rank's share of cross-node bytes; summed over all ranks and divided by the
+        number of nodes it is the traffic over each node's boundary."""
+        return sum(e.cross_node_bytes for e in self.stats.values())
+
     def reset(self) -> None:
         self.stats.clear()
 
 
 comm_counters = CommCounters()
 _AXES: dict[int, str] = {}
+
+
+_TOPOLOGY: dict[str, int] = {}
+_GROUP_RANKS: dict[int, list[int]] = {}
+
+
+def set_ranks_per_node(ranks_per_node: int) -> None:
+    """Declare how many consecutive global ranks share a node (enables cross-node counts)."""
+    _TOPOLOGY["ranks_per_node"] = ranks_per_node
+
+
+def _group_ranks(group: Group) -> list[int]:
+    key = id(group)
+    if key not in _GROUP_RANKS:
+        g = dist.GroupMember.WORLD if group is None else group
+        _GROUP_RANKS[key] = dist.get_process_group_ranks(g)
+    return _GROUP_RANKS[key]
+
+
+def _cross_node_bytes(op: str, group: Group, nbytes: int) -> float:
+    """Bytes of this collective that cross node boundaries, as this rank's share.
+
+    Model: all-gather, reduce-scatter and broadcast are rings over the group's ranks in rank
+    order (node-major), so each spanned node's boundary carries (k-1)/k of the full message;
+    all-reduce is a reduce-scatter plus an all-gather; an all-to-all sends 1/k of this rank's
+    input to each peer, and the part addressed to other nodes crosses. A ring's per-node
+    volume is split evenly over the node's ranks in the group, so summing every rank's share
+    and dividing by the node count gives the volume per node boundary.
+    """
+    if not is_initialized():
+        return 0.0
+    per_node = _TOPOLOGY["ranks_per_node"]
+    ranks = _group_ranks(group)
+    k = len(ranks)
+    me = dist.get_rank()
+    nodes = {r // per_node for r in ranks}
+    if k == 1 or len(nodes) == 1:
+        return 0.0
+    mates = sum(r // per_node == me // per_node for r in ranks)
+    if op == "all_to_all":
+        return nbytes / k * sum(r // per_node != me // per_node for r in ranks)
+    ring = (k - 1) / k * nbytes / mates
+    if op == "all_reduce":
+        return 2 * ring
+    if op in ("all_gather", "reduce_scatter", "broadcast"):
+        return ring
+    return 0.0
 
 
 def register_axis(group: Group, name: str) -> None:
@@ -281,6 +337,99 @@ def reduce_scatter_tensor(
         return done  # type: ignore[return-value]
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    bits: int = 8,
+    block: int = 2048,
+    group: Group = None,
+    async_op: bool = False,
+    label: str | None = None,
+) -> Any:
+    """``all_gather_into_tensor`` with block-quantized codes on the wire (ZeRO++ qwZ).
+
+    Each rank quantizes its shard once; codes and scales are gathered (two collectives) and
+    every rank's slot of ``output`` is dequantized to ``output.dtype`` on ``wait()``. Every rank
+    ends with the same values, its own slot included.
+    """
+    from slipstream.distributed.quantize import QuantizedBlocks, dequantize_blocks, quantize_blocks
+
+    k = get_world_size(group)
+    n = input.numel()
+    q = quantize_blocks(input, bits, block)
+    codes = q.codes.new_empty(k * q.codes.numel())
+    scales = q.scales.new_empty(k * q.scales.numel())
+    w1 = all_gather_into_tensor(codes, q.codes, group, async_op=True, label=label)
+    w2 = all_gather_into_tensor(scales, q.scales, group, async_op=True, label=label)
+
+    def finish() -> None:
+        if w1 is not None:
+            w1.wait()
+        if w2 is not None:
+            w2.wait()
+        c, sc = codes.view(k, -1), scales.view(k, -1)
+        for r in range(k):
+            part = QuantizedBlocks(c[r], sc[r], n, bits, block)
+            dequantize_blocks(part, out=output[r * n : (r + 1) * n])
+
+    done = _Finish(None, finish)
+    if not async_op:
+        done.wait()
+        return None
+    return done
+
+
+def reduce_scatter_2hop_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    node_group: Group,
+    cross_group: Group,
+    bits: int = 4,
+    block: int = 512,
+    label: str | None = None,
+) -> None:
+    """Sum-reduce-scatter over all ranks as two quantized all-to-alls (ZeRO++ qgZ).
+
+    Ranks are node-major (``G`` per node, ``N`` nodes, ``W = N G``); rank ``n G + g`` ends with
+    chunk ``n G + g`` of the sum, like ``reduce_scatter_tensor``. The chunks are first reordered
+    so that the part sent to local rank ``g`` holds the chunks ``{m G + g}`` of every node ``m``;
+    hop 1 (inside the node) sums them per node, hop 2 (among the ranks with the same local
+    index) sums over nodes. Each hop quantizes once and reduces in fp32 after dequantizing.
+    Returns the *sum*; callers divide by ``W`` for the average (a true average, unlike
+    DeepSpeed's qgZ path, which divides by the node count).
+    """
+    from slipstream.distributed.quantize import QuantizedBlocks, dequantize_blocks, quantize_blocks
+
+    g_size, n_size = get_world_size(node_group), get_world_size(cross_group)
+    chunk = output.numel()
+    if input.numel() != chunk * g_size * n_size:
+        raise ValueError(
+            f"2-hop reduce-scatter: input has {input.numel()} elements, expected "
+            f"{chunk * g_size * n_size} (output {chunk} x {g_size * n_size} ranks)"
+        )
+    chunks = input.view(n_size, g_size, chunk)  # chunk index m*G + g -> [m, g]
+    reordered = chunks.transpose(0, 1).reshape(g_size, n_size * chunk)  # [g] = chunks {m G + g}
+
+    def exchange(parts: torch.Tensor, group: Group, k: int) -> torch.Tensor:
+        """All-to-all ``k`` equal parts quantized per part; returns the fp32 sum of received."""
+        per = parts.shape[1]
+        qs = [quantize_blocks(parts[i], bits, block) for i in range(k)]
+        codes = torch.cat([q.codes for q in qs])
+        scales = torch.cat([q.scales for q in qs])
+        codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
+        all_to_all_single(codes_in, codes, group=group, label=label)
+        all_to_all_single(scales_in, scales, group=group, label=label)
+        total = torch.zeros(per, dtype=torch.float32, device=parts.device)
+        c, sc = codes_in.view(k, -1), scales_in.view(k, -1)
+        for i in range(k):
+            total += dequantize_blocks(QuantizedBlocks(c[i], sc[i], per, bits, block))
+        return total
+
+    node_sum = exchange(reordered, node_group, g_size)  # chunks {m G + g} summed over my node
+    out = exchange(node_sum.view(n_size, chunk), cross_group, n_size)
+    output.copy_(out)
 
 
 def all_to_all_single(
