@@ -78,8 +78,7 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "activation_checkpointing": "activation checkpointing is not implemented yet",
     "tensor_parallel": "tensor parallelism arrives with issue 6",
     "pipeline": "pipeline parallelism arrives with issue 6",
-    "sequence_parallel_size": "sequence parallelism arrives with issue 7",
-    "data_parallel_size": "explicit mesh sizes arrive with issues 6 and 7",
+    "data_parallel_size": "explicit mesh sizes arrive with issue 6 (dp = world / sp / tp / pp)",
     "hybrid_engine": "the RLHF hybrid engine is not implemented yet",
     "flops_profiler": "the FLOPs profiler is not implemented yet",
     "tensorboard": "monitors are not implemented yet",
@@ -156,6 +155,10 @@ class SlipstreamConfig(StrictModel):
     """Seed torch's RNG on every rank and the data sampler."""
     dataloader_drop_last: bool = False
     """Drop the last incomplete batch of the dataloader ``initialize`` builds."""
+    sequence_parallel_size: int = Field(1, ge=1)
+    """Ranks that share one sequence (Ulysses or LSS attention, ``slipstream.sequence``);
+    must divide the world size. The data-parallel size (batch arithmetic) is
+    world / sequence_parallel_size; ZeRO shards over all ranks."""
     managed_gradient_accumulation: bool = True
     """The engine counts micro-steps; false makes every ``step()`` a boundary."""
 

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from slipstream.distributed import comm
 
-__all__ = ["MESH_AXES", "ParallelDims", "build_mesh", "dp_group"]
+__all__ = ["MESH_AXES", "ParallelDims", "build_mesh", "dp_group", "dp_sp_group"]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 
@@ -65,6 +65,8 @@ def build_mesh(dims: ParallelDims, device_type: str | None = None) -> DeviceMesh
     for axis in MESH_AXES:
         comm.register_axis(mesh.get_group(axis), axis)
     comm.register_axis(dp_group(mesh), "dp")
+    if dims.sp > 1 and dims.dp > 1:
+        comm.register_axis(dp_sp_group(mesh), "dp_sp")
     return mesh
 
 
@@ -75,3 +77,17 @@ def dp_group(mesh: DeviceMesh) -> comm.Group:
     if mesh["dp_shard"].size() == 1:
         return mesh.get_group("dp_replicate")
     return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+
+def dp_sp_group(mesh: DeviceMesh) -> comm.Group:
+    """The group of all data- and sequence-parallel ranks: they hold the same parameters.
+
+    ZeRO shards over it and averages gradients over it (the sequence-parallel loss makes
+    that average the full-batch gradient; see ``slipstream.sequence``). Equals
+    :func:`dp_group` when ``sp`` is 1.
+    """
+    if mesh["sp"].size() == 1:
+        return dp_group(mesh)
+    if mesh["dp_replicate"].size() * mesh["dp_shard"].size() == 1:
+        return mesh.get_group("sp")
+    return mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp").get_group()

@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slipstream.config._errors import ConfigError
+from slipstream.distributed import comm
+from slipstream.sequence import lss_attention, sequence_parallel_cross_entropy, ulysses_attention
 from slipstream.zero.init import deferred_init_active
 
 __all__ = ["GPT", "GPTConfig"]
@@ -81,6 +83,12 @@ class GPTConfig:
     (``torch.utils.checkpoint``, non-reentrant, RNG state preserved so dropout matches):
     activation memory drops from O(layers x block internals) to O(layers x hidden) at the
     cost of one extra forward per block. Only applies while autograd records."""
+    sequence_parallel: str | None = None
+    """Sequence-parallel attention once a group is bound (``slipstream.initialize`` with
+    ``sequence_parallel_size > 1``, or ``slipstream.sequence.parallelize_sequence_``):
+    "ulysses" (all-to-all, heads divisible by the sp size) or "lss" (all-gathered K/V).
+    Inputs are then this rank's sequence segment; RoPE positions are offset by its start and
+    the loss is the global mean. None, or no group bound: an ordinary model."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -114,6 +122,11 @@ class GPTConfig:
         if not self.norm_eps > 0:
             raise ConfigError(
                 f"GPTConfig.norm_eps={self.norm_eps} must be > 0; the usual value is 1e-5"
+            )
+        if self.sequence_parallel not in (None, "ulysses", "lss"):
+            raise ConfigError(
+                f"GPTConfig.sequence_parallel={self.sequence_parallel!r} is not a sequence-"
+                "parallel attention; use 'ulysses', 'lss' or None"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(
@@ -192,6 +205,8 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads or config.num_heads
         self.head_dim = config.head_dim
         self.dropout = config.dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.sp_group: comm.Group = None  # bound by GPT.set_sequence_parallel_group
         kv_dim = self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
@@ -206,6 +221,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        if self.sp_group is not None:
+            return self.o_proj(self._sequence_parallel(q, k, v).reshape(b, t, -1))
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads.
             k = k.repeat_interleave(n_rep, dim=1)
@@ -214,6 +231,14 @@ class Attention(nn.Module):
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _sequence_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of this rank's segment over the whole sharded sequence: [B, T/P, H, D]."""
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        if self.sequence_parallel == "lss":
+            return lss_attention(q, k, v, self.sp_group, dropout_p=dropout)
+        return ulysses_attention(q, k, v, self.sp_group, dropout_p=dropout)
 
 
 class MLP(nn.Module):
@@ -260,6 +285,7 @@ class GPT(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    sp_group: comm.Group = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -287,6 +313,21 @@ class GPT(nn.Module):
             return
         self.to_empty(device=device)
         self.init_weights()
+
+    def set_sequence_parallel_group(self, sp_group: comm.Group) -> None:
+        """Shard sequences over ``sp_group`` (needs ``config.sequence_parallel``).
+
+        Raises:
+            ConfigError: the config has no ``sequence_parallel`` attention.
+        """
+        if self.config.sequence_parallel is None and comm.get_world_size(sp_group) > 1:
+            raise ConfigError(
+                "this GPT was built with GPTConfig.sequence_parallel=None: set it to "
+                "'ulysses' or 'lss' to train with sequence parallelism"
+            )
+        self.sp_group = sp_group
+        for layer in self.layers:
+            layer.attn.sp_group = sp_group  # type: ignore[union-attr]
 
     def tie_weights(self) -> None:
         """Make ``lm_head`` share ``embed_tokens.weight`` when ``config.tie_embeddings``.
@@ -355,20 +396,25 @@ class GPT(nn.Module):
 
         Returns:
             Mean cross-entropy loss (scalar, fp32) when ``labels`` is given, else logits
-            [B, T, vocab_size] in the model's dtype.
+            [B, T, vocab_size] in the model's dtype. Under sequence parallelism ``input_ids``
+            and ``labels`` are this rank's segment and the loss is that of the full sequences.
 
         Raises:
             ValueError: T exceeds ``config.max_seq_len``.
         """
         t = input_ids.shape[1]
-        if t > self.config.max_seq_len:
+        # Sequence parallel: input_ids is segment r of P; its RoPE positions start at r * t.
+        sp_size = comm.get_world_size(self.sp_group) if self.sp_group is not None else 1
+        start = comm.get_rank(self.sp_group) * t if sp_size > 1 else 0
+        if t * sp_size > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {t} exceeds GPTConfig.max_seq_len={self.config.max_seq_len}; "
-                "truncate the input or build the model with a larger max_seq_len"
+                f"sequence length {t * sp_size} exceeds GPTConfig.max_seq_len="
+                f"{self.config.max_seq_len}; truncate the input or build the model with a "
+                "larger max_seq_len"
             )
         x = self.embed_dropout(self.embed_tokens(input_ids))
-        cos = self.rope_cos[:t].to(x.dtype)
-        sin = self.rope_sin[:t].to(x.dtype)
+        cos = self.rope_cos[start : start + t].to(x.dtype)
+        sin = self.rope_sin[start : start + t].to(x.dtype)
         checkpointed = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpointed:
@@ -378,6 +424,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
+        if sp_size > 1:
+            return sequence_parallel_cross_entropy(logits, labels, self.sp_group)
         # fp32 upcast: a bf16 log-softmax over the vocabulary loses too much precision.
         return F.cross_entropy(
             logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100

@@ -16,8 +16,9 @@ from torch import nn
 
 from slipstream._logging import log_rank0
 from slipstream.config import AutoContext, ConfigError, SlipstreamConfig, parse_config
+from slipstream.config.loader import load_config
 from slipstream.distributed import comm
-from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group
+from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group, dp_sp_group
 from slipstream.runtime.dataloader import build_dataloader
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.precision import LossScaler, PrecisionPolicy
@@ -76,10 +77,14 @@ def initialize(
     if dist_init_required is not False:
         comm.init_distributed()
     comm.ensure_control_group()
-    dims = ParallelDims(world_size=comm.get_world_size())
+    dims = _parallel_dims(config)
     mesh = build_mesh(dims)
-    group = dp_group(mesh)
+    group = dp_sp_group(mesh)  # ZeRO shards over every rank holding the same parameters
     device = _device()
+    if dims.sp > 1:
+        from slipstream.sequence import parallelize_sequence_
+
+        parallelize_sequence_(model, mesh.get_group("sp"))
 
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     cfg = parse_config(config, dp_world_size=dims.dp, auto=_auto_context(model, client_opt))
@@ -123,11 +128,15 @@ def initialize(
     scheduler = _scheduler(lr_scheduler, zero_opt, client_opt, cfg)
     loader = None
     if training_data is not None:
+        if dims.sp > 1:  # the sp ranks of a dp rank read the same samples, keep their slice
+            from slipstream.sequence import SequenceShardCollate
+
+            collate_fn = SequenceShardCollate(mesh.get_group("sp"), collate_fn)
         loader = build_dataloader(
             training_data,
             cfg.batch[1],
             dims.dp,
-            comm.get_rank(group),
+            comm.get_rank(dp_group(mesh)),
             collate_fn=collate_fn,
             drop_last=cfg.dataloader_drop_last,
             seed=cfg.seed or 0,
@@ -135,14 +144,36 @@ def initialize(
     engine = Engine(model, zero_opt, scheduler, cfg, mesh, device)
     engine.training_dataloader = loader
     log_rank0(
-        "slipstream: world=%d dp=%d zero_stage=%d dtype=%s batch=%s (global, micro, accumulation)",
+        "slipstream: world=%d dp=%d sp=%d zero_stage=%d dtype=%s batch=%s (global, micro, "
+        "accumulation)",
         comm.get_world_size(),
         dims.dp,
+        dims.sp,
         cfg.zero_optimization.stage,
         str(policy.param_dtype).replace("torch.", ""),
         cfg.batch,
     )
     return engine, zero_opt, loader, scheduler
+
+
+def _parallel_dims(config: Any) -> ParallelDims:
+    """Mesh sizes: ``sequence_parallel_size`` ranks per sequence, the rest data parallel.
+
+    Read before the full parse, which needs the data-parallel size for the batch arithmetic.
+    """
+    if isinstance(config, SlipstreamConfig):
+        sp: Any = config.sequence_parallel_size
+    else:
+        sp = load_config(config).get("sequence_parallel_size", 1)
+    sp = 1 if sp == "auto" else sp
+    world = comm.get_world_size()
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1 or world % sp:
+        raise ConfigError(
+            f"config key 'sequence_parallel_size' = {sp!r} must be a positive integer dividing "
+            f"the world size {world}: use a divisor of the number of processes (1 disables "
+            "sequence parallelism)"
+        )
+    return ParallelDims(world_size=world, sp=sp)
 
 
 def _swap_dir(cfg: SlipstreamConfig, device: torch.device) -> str | None:
