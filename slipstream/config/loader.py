@@ -453,18 +453,27 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
         raise ConfigError(
             "zero_optimization.offload_optimizer.ratio < 1 (partial offload) is not implemented yet"
         )
+    if zero.zero_quantized_nontrainable_weights:
+        raise ConfigError(
+            "zero_optimization.zero_quantized_nontrainable_weights (int8 storage of frozen "
+            "weights) is not implemented yet. Remove it"
+        )
     zpp = {
         "zero_quantized_weights": zero.zero_quantized_weights,
-        "zero_quantized_nontrainable_weights": zero.zero_quantized_nontrainable_weights,
         "zero_quantized_gradients": zero.zero_quantized_gradients,
         "zero_hpz_partition_size": zero.zero_hpz_partition_size != 1,
     }
     for key, on in zpp.items():
-        if on:
+        if on and zero.stage != 3:
             raise ConfigError(
-                f"zero_optimization.{key} (ZeRO++) is not implemented yet; it arrives with "
-                "issue 5. Remove it"
+                f"zero_optimization.{key} (ZeRO++) works with stage 3, but stage = "
+                f"{zero.stage}: set stage 3 or remove {key}"
             )
+    if zero.zero_quantized_gradients_block_size % 2:
+        raise ConfigError(
+            "zero_optimization.zero_quantized_gradients_block_size must be even (int4 codes "
+            f"are packed two per byte), got {zero.zero_quantized_gradients_block_size}"
+        )
     if zero.mics_shard_size > 0:
         raise ConfigError(
             "zero_optimization.mics_shard_size (MiCS) is not implemented yet; remove it"

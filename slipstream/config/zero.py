@@ -106,13 +106,18 @@ class ZeroConfig(StrictModel):
     offload_optimizer: OffloadConfig | None = None
     """Optimizer-state offload (issue 3)."""
     zero_hpz_partition_size: int = Field(1, ge=1)
-    """ZeRO++ hpZ secondary partition size (issue 5)."""
+    """ZeRO++ hpZ: ranks (consecutive, usually one node) sharing a secondary copy of the
+    weights so the backward all-gather stays inside them; 1 disables."""
     zero_quantized_weights: bool = False
-    """ZeRO++ qwZ quantized weight all-gather (issue 5)."""
+    """ZeRO++ qwZ: all-gather stage-3 weights as int8 block-quantized codes."""
+    zero_quantized_weights_block_size: int = Field(2048, ge=2)
+    """qwZ elements per quantization block (slipstream key)."""
     zero_quantized_nontrainable_weights: bool = False
-    """ZeRO++ quantized frozen weights (issue 5)."""
+    """ZeRO++ frozen weights stored in int8 (not implemented yet)."""
     zero_quantized_gradients: bool = False
-    """ZeRO++ qgZ quantized gradient reduction (issue 5)."""
+    """ZeRO++ qgZ: reduce-scatter gradients as a 2-hop int4 all-to-all (multi-node only)."""
+    zero_quantized_gradients_block_size: int = Field(512, ge=2)
+    """qgZ elements per quantization block (slipstream key; even)."""
     mics_shard_size: int = -1
     """MiCS shard group size; -1 disables."""
     mics_hierarchical_params_gather: bool = False

@@ -339,6 +339,13 @@ def reduce_scatter_tensor(
     return fn(output, input, op=op, group=group, async_op=async_op)
 
 
+def _fit_block(n: int, block: int) -> int:
+    """Equal, even blocks of at most ``block`` that just cover ``n`` elements (tiny padding)."""
+    nblocks = max(1, -(-n // block))
+    fitted = -(-n // nblocks)
+    return fitted + fitted % 2
+
+
 def all_gather_quantized(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -358,6 +365,7 @@ def all_gather_quantized(
 
     k = get_world_size(group)
     n = input.numel()
+    block = _fit_block(n, block)
     q = quantize_blocks(input, bits, block)
     codes = q.codes.new_empty(k * q.codes.numel())
     scales = q.scales.new_empty(k * q.scales.numel())
@@ -415,7 +423,8 @@ def reduce_scatter_2hop_quantized(
     def exchange(parts: torch.Tensor, group: Group, k: int) -> torch.Tensor:
         """All-to-all ``k`` equal parts quantized per part; returns the fp32 sum of received."""
         per = parts.shape[1]
-        qs = [quantize_blocks(parts[i], bits, block) for i in range(k)]
+        fitted = _fit_block(per, block)
+        qs = [quantize_blocks(parts[i], bits, fitted) for i in range(k)]
         codes = torch.cat([q.codes for q in qs])
         scales = torch.cat([q.scales for q in qs])
         codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
@@ -424,7 +433,7 @@ def reduce_scatter_2hop_quantized(
         total = torch.zeros(per, dtype=torch.float32, device=parts.device)
         c, sc = codes_in.view(k, -1), scales_in.view(k, -1)
         for i in range(k):
-            total += dequantize_blocks(QuantizedBlocks(c[i], sc[i], per, bits, block))
+            total += dequantize_blocks(QuantizedBlocks(c[i], sc[i], per, bits, fitted))
         return total
 
     node_sum = exchange(reordered, node_group, g_size)  # chunks {m G + g} summed over my node

@@ -19,6 +19,7 @@ from slipstream.config import AutoContext, ConfigError, SlipstreamConfig, parse_
 from slipstream.config.loader import load_config
 from slipstream.distributed import comm
 from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group, dp_sp_group
+from slipstream.distributed.topology import resolve_ranks_per_node
 from slipstream.runtime.dataloader import build_dataloader
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.precision import LossScaler, PrecisionPolicy
@@ -77,6 +78,8 @@ def initialize(
     if dist_init_required is not False:
         comm.init_distributed()
     comm.ensure_control_group()
+    # Which ranks share a node: the comm logger splits intra-node from cross-node bytes.
+    comm.set_ranks_per_node(resolve_ranks_per_node(comm.get_world_size()))
     dims = _parallel_dims(config)
     mesh = build_mesh(dims)
     group = dp_sp_group(mesh)  # ZeRO shards over every rank holding the same parameters

@@ -11,6 +11,7 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
+from slipstream.distributed.topology import NodeTopology, build_node_topology
 from slipstream.runtime.precision import PrecisionPolicy
 from slipstream.zero.estimate import estimate_memory
 from slipstream.zero.export import gathered_model, save_16bit_model
@@ -18,7 +19,12 @@ from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
 from slipstream.zero.init import Init, materialize_
 from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
 from slipstream.zero.reducer import GradientReducer, ReducePolicy
-from slipstream.zero.stage3 import GatheredParameters, set_z3_leaf_modules, shard_params_
+from slipstream.zero.stage3 import (
+    GatheredParameters,
+    ZeroPPWeights,
+    set_z3_leaf_modules,
+    shard_params_,
+)
 
 __all__ = [
     "Bucket",
@@ -98,9 +104,23 @@ def shard_zero_(
         if device is None:
             device = next((t.device for t in model.buffers() if not t.is_meta), torch.device("cpu"))
         materialize_(model, device)
+    topology = None
+    if cfg.stage == 3 and (cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1):
+        topology = build_node_topology(
+            cfg.zero_hpz_partition_size if cfg.zero_hpz_partition_size > 1 else None
+        )
     if cfg.stage == 3:
         _broadcast_from_dp0(model, [], dp_group)
         buckets, store = shard_params_(model, groups, names, dp_group, cfg, device)
+        hpz = topology is not None and cfg.zero_hpz_partition_size > 1
+        store.enable_zeropp(
+            ZeroPPWeights(
+                quantize=cfg.zero_quantized_weights,
+                block=cfg.zero_quantized_weights_block_size,
+                hpz_group=topology.node_group if hpz and topology is not None else None,
+                hpz_size=cfg.zero_hpz_partition_size,
+            )
+        )
     else:
         buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)
         _broadcast_from_dp0(model, buckets, dp_group)
@@ -112,6 +132,8 @@ def shard_zero_(
         overlap=cfg.overlap,
         predivide_factor=step.predivide_factor if step.prescale_gradients else 1.0,
         ignore_unused=cfg.ignore_unused_parameters,
+        two_hop=_two_hop(cfg, topology, dp_group),
+        grad_block=cfg.zero_quantized_gradients_block_size,
     )
     listener = store if cfg.stage == 3 else None
     reducer = GradientReducer(
@@ -128,6 +150,27 @@ def shard_zero_(
         master_dtype=precision.master_dtype,
         step=step,
     )
+
+
+def _two_hop(cfg: ZeroConfig, topology: NodeTopology | None, dp_group: comm.Group) -> Any:
+    """qgZ groups, or None when qgZ is off (or pointless: a single node)."""
+    if not cfg.zero_quantized_gradients or topology is None:
+        return None
+    if comm.get_world_size(dp_group) != comm.get_world_size():
+        raise ValueError(
+            "zero_quantized_gradients (qgZ) needs the data-parallel group to be the whole "
+            "world (no tensor/pipeline/sequence parallelism yet): disable qgZ"
+        )
+    if topology.num_nodes == 1:
+        log_rank0("zero_quantized_gradients: one node only, so qgZ is off (nothing to save)")
+        return None
+    if cfg.zero_hpz_partition_size > 1 and topology.ranks_per_node != cfg.zero_hpz_partition_size:
+        raise ValueError(
+            f"zero_hpz_partition_size = {cfg.zero_hpz_partition_size} differs from the ranks "
+            f"per node ({topology.ranks_per_node}) that qgZ uses: set it to "
+            f"{topology.ranks_per_node}"
+        )
+    return (topology.node_group, topology.cross_group)
 
 
 @torch.no_grad()

@@ -48,6 +48,8 @@ class ReducePolicy:
         predivide_factor: divide by this before reduction (``prescale_gradients``), by
             dp / factor after it; 1.0 divides by dp after the reduction.
         ignore_unused: reduce zeros for parameters without a gradient instead of raising.
+        two_hop: see below.
+        grad_block: see below.
     """
 
     partition_grads: bool
@@ -56,6 +58,11 @@ class ReducePolicy:
     overlap: bool = True
     predivide_factor: float = 1.0
     ignore_unused: bool = True
+    two_hop: tuple[comm.Group, comm.Group] | None = None
+    """ZeRO++ qgZ: (node group, cross-node group); the reduce-scatter becomes two int4
+    all-to-alls. The data-parallel group must be the whole world, node-major."""
+    grad_block: int = 512
+    """qgZ quantization block (elements)."""
 
 
 MAX_IN_FLIGHT = 2
@@ -211,9 +218,16 @@ class GradientReducer:
         if self.policy.partition_grads:
             same = wire.dtype == self.policy.accum_dtype
             out = self._accum[b_idx] if fresh and same else wire.new_empty(bucket.shard_numel)
-            work = comm.reduce_scatter_tensor(
-                out, wire, group=self.group, async_op=self.policy.overlap, label=label
-            )
+            if self.policy.two_hop is not None:
+                node_group, cross_group = self.policy.two_hop
+                comm.reduce_scatter_2hop_quantized(
+                    out, wire, node_group, cross_group, 4, self.policy.grad_block, label=label
+                )
+                work = None
+            else:
+                work = comm.reduce_scatter_tensor(
+                    out, wire, group=self.group, async_op=self.policy.overlap, label=label
+                )
         else:
             out = wire
             work = comm.all_reduce(

@@ -35,7 +35,13 @@ from slipstream.distributed import comm
 from slipstream.zero.flat import Bucket, _make_bucket
 from slipstream.zero.init import materialize_
 
-__all__ = ["GatheredParameters", "ShardedStore", "set_z3_leaf_modules", "shard_params_"]
+__all__ = [
+    "GatheredParameters",
+    "ShardedStore",
+    "ZeroPPWeights",
+    "set_z3_leaf_modules",
+    "shard_params_",
+]
 
 _LEAF_ATTR = "_slipstream_z3_leaf"
 # Each partitioned parameter carries (store, unit index) under this attribute: tensors must
@@ -87,6 +93,24 @@ def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+@dataclass
+class ZeroPPWeights:
+    """ZeRO++ options of the weight all-gathers (Wang et al. 2023).
+
+    Attributes:
+        quantize: qwZ, all-gather int8 block-quantized codes (``zero_quantized_weights``).
+        block: elements per quantization block.
+        hpz_group: hpZ, the group of ``hpz_size`` consecutive ranks holding a secondary copy
+            of each released unit; the backward all-gather stays inside it. None disables.
+        hpz_size: size of ``hpz_group``.
+    """
+
+    quantize: bool = False
+    block: int = 2048
+    hpz_group: comm.Group = None
+    hpz_size: int = 1
+
+
 class ShardedStore:
     """Parameter placement for stage 3 (the ``ParamStore`` of ``ZeroOptimizer``)."""
 
@@ -115,6 +139,22 @@ class ShardedStore:
         self._noted: dict[str, set[int]] = {"fwd": set(), "bwd": set()}
         self.prefetch_numel = 50_000_000  # stage3_prefetch_bucket_size (0 disables prefetch)
         self.max_live_numel = 1_000_000_000  # stage3_max_live_parameters (caps prefetching)
+        self.zeropp = ZeroPPWeights()
+        self.secondary: list[torch.Tensor | None] = [None] * len(buckets)  # hpZ
+        self.secondary_valid = [False] * len(buckets)
+
+    def enable_zeropp(self, zeropp: ZeroPPWeights) -> None:
+        """Turn on qwZ and/or hpZ (before the first forward)."""
+        self.zeropp = zeropp
+        if zeropp.hpz_group is not None and zeropp.hpz_size > 1:
+            for b, bucket in enumerate(self.buckets):
+                if self.units[self.unit_of[b]].persistent:
+                    continue
+                self.secondary[b] = bucket.flat.new_empty(bucket.numel // zeropp.hpz_size)
+
+    def secondary_bytes(self) -> int:
+        """Memory of the hpZ secondary copies (``2 Psi / G`` in bf16)."""
+        return sum(t.numel() * t.element_size() for t in self.secondary if t is not None)
 
     # ---------------------------------------------------------------- ParamStore API
     def owned_range(self, b: int) -> tuple[int, int]:
@@ -126,6 +166,7 @@ class ShardedStore:
 
     def publish(self, b: int) -> object:
         """After a step: refresh the full storage of units that stay gathered."""
+        self.secondary_valid[b] = False  # hpZ: the weights changed
         if not self.units[self.unit_of[b]].gathered:
             return None
         return comm.all_gather_into_tensor(
@@ -158,24 +199,34 @@ class ShardedStore:
             "only some ranks call must be called on all of them"
         )
 
-    def gather(self, unit: Unit) -> None:
+    def gather(self, unit: Unit, phase: str = "fwd") -> None:
         """Make ``unit``'s full parameters available (waits for a prefetch in flight)."""
         if not unit.gathered:
-            self._start_gather(unit)
+            self._start_gather(unit, phase)
         for work in unit.pending:
             work.wait()
         unit.pending = []
 
-    def _start_gather(self, unit: Unit) -> None:
+    def _start_gather(self, unit: Unit, phase: str = "fwd") -> None:
         self._check_same_unit(unit)
+        zpp = self.zeropp
         for b in unit.buckets:
             flat = self.buckets[b].flat
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            unit.pending.append(
-                comm.all_gather_into_tensor(
-                    flat, self.shards[b], group=self.group, async_op=True, label=f"param_unit{b}"
+            label = f"param_unit{b}"
+            group, source = self.group, self.shards[b]
+            secondary = self.secondary[b]
+            if phase == "bwd" and secondary is not None and self.secondary_valid[b]:
+                group, source = zpp.hpz_group, secondary  # hpZ: stay inside the node
+            if zpp.quantize:
+                work = comm.all_gather_quantized(
+                    flat, source, 8, zpp.block, group=group, async_op=True, label=label
                 )
-            )
+            else:
+                work = comm.all_gather_into_tensor(
+                    flat, source, group=group, async_op=True, label=label
+                )
+            unit.pending.append(work)
         unit.gathered = True
 
     def _note(self, phase: str, unit: Unit) -> None:
@@ -198,7 +249,7 @@ class ShardedStore:
                 break
             budget -= numel
             if not nxt.gathered and nxt.buckets:
-                self._start_gather(nxt)
+                self._start_gather(nxt, phase)
 
     def _live_numel(self) -> int:
         return sum(self.buckets[b].numel for u in self.units if u.gathered for b in u.buckets)
@@ -210,7 +261,15 @@ class ShardedStore:
             work.wait()
         unit.pending = []
         for b in unit.buckets:
-            self.buckets[b].flat.untyped_storage().resize_(0)
+            flat = self.buckets[b].flat
+            secondary = self.secondary[b]
+            filled = flat.untyped_storage().nbytes() > 0  # not a never-filled zero.Init bucket
+            if secondary is not None and not self.secondary_valid[b] and filled:
+                g = comm.get_rank(self.zeropp.hpz_group)
+                n = secondary.numel()
+                secondary.copy_(flat[g * n : (g + 1) * n])
+                self.secondary_valid[b] = True
+            flat.untyped_storage().resize_(0)
         unit.gathered = False
 
     def release_all(self) -> None:
@@ -242,7 +301,7 @@ class ShardedStore:
     def _pre_backward(self, unit: Unit) -> None:
         self._note("bwd", unit)
         for u in unit.uses:
-            self.gather(self.units[u])
+            self.gather(self.units[u], "bwd")
 
     def on_bucket_ready(self, b: int) -> None:
         """Reducer callback: bucket ``b`` got all its gradients; free its unit if done."""

@@ -725,17 +725,27 @@ def test_stage_out_of_range_rejected() -> None:
     "key, value",
     [
         ("zero_quantized_weights", True),
-        ("zero_quantized_nontrainable_weights", True),
         ("zero_quantized_gradients", True),
         ("zero_hpz_partition_size", 8),
     ],
 )
-def test_zeropp_keys_rejected_mention_issue_5(key: str, value: Any) -> None:
-    """ZeRO++ options are refused until issue 5, naming the key."""
+def test_zeropp_keys_need_stage_3(key: str, value: Any) -> None:
+    """ZeRO++ options work on ZeRO-3 only; at stage 2 the error names the key and the fix."""
     _error(
         _cfg(zero_optimization={"stage": 2, key: value}),
-        f"zero_optimization.{key} (ZeRO++)",
-        "issue 5",
+        f"zero_optimization.{key} (ZeRO++) works with stage 3, but stage = 2",
+    )
+
+
+def test_zeropp_nontrainable_weights_not_implemented_and_odd_grad_block() -> None:
+    _error(
+        _cfg(zero_optimization={"stage": 3, "zero_quantized_nontrainable_weights": True}),
+        "zero_quantized_nontrainable_weights",
+        "not implemented",
+    )
+    _error(
+        _cfg(zero_optimization={"stage": 3, "zero_quantized_gradients_block_size": 511}),
+        "must be even",
     )
 
 
