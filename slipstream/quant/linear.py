@@ -154,12 +154,9 @@ class QuantLinear(nn.Module):
     def _fbgemm(self, w8: torch.Tensor) -> FbgemmPacked | None:
         if self.backend != "fbgemm" or w8.device.type != "cpu":
             return None
-        if self._packed is None or self.weight_format == "int4":
-            # 8-bit weights are packed once; int4 re-expands per call, so pack per call too.
-            packed = FbgemmPacked(w8)
-            if self.weight_format != "int4":
-                self._packed = packed
-            return packed
+        if self._packed is None:
+            # Packed once (for INT4 this holds the expanded int8 weight: speed over memory).
+            self._packed = FbgemmPacked(w8)
         return self._packed
 
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
