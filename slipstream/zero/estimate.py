@@ -24,6 +24,7 @@ def estimate_memory(
     master_dtype: torch.dtype = torch.float32,
     grad_dtype: torch.dtype = torch.float32,
     optimizer_states: int = 2,
+    hpz_partition_size: int = 1,
 ) -> dict[str, int]:
     """Bytes per data-parallel rank for parameters, gradients, master weights, optimizer states.
 
@@ -37,8 +38,11 @@ def estimate_memory(
         grad_dtype: gradient accumulation dtype.
         optimizer_states: state tensors per parameter in the master dtype (Adam: 2, SGD with
             momentum: 1, Lion: 1).
+        hpz_partition_size: ZeRO++ hpZ group size G (stage 3): each rank also keeps a
+            secondary copy of 1/G of the trainable weights, ``2 Psi / G`` bytes in bf16.
     Returns:
-        ``{"params", "grads", "master", "optimizer", "total"}`` in bytes. Transient buffers
+        ``{"params", "grads", "master", "optimizer", "hpz_secondary", "total"}`` in bytes
+        (``hpz_secondary`` is also counted in ``params``). Transient buffers
         (reduction staging, gathered ZeRO-3 units, activations) are not included.
     """
     if stage not in (0, 1, 2, 3):
@@ -58,11 +62,18 @@ def estimate_memory(
     grads = (shard if stage >= 2 else trainable) * gb
     master = 0 if master_dtype == pdtype else owned * mb
     optimizer = optimizer_states * owned * mb
+    if hpz_partition_size < 1 or world % hpz_partition_size:
+        raise ValueError(f"hpz_partition_size must divide world={world}, got {hpz_partition_size}")
+    secondary = (
+        -(-trainable // hpz_partition_size) * pb if stage == 3 and hpz_partition_size > 1 else 0
+    )
+    params += secondary
     total = params + grads + master + optimizer
     return {
         "params": params,
         "grads": grads,
         "master": master,
         "optimizer": optimizer,
+        "hpz_secondary": secondary,
         "total": total,
     }

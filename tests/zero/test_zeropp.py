@@ -44,3 +44,16 @@ def test_cross_node_bytes_per_step(runs):
     # hpZ: the backward gather (half of the gather bytes) never leaves the node
     torch.testing.assert_close(cross["zero3"] - cross["hpz"], gathers / 2, rtol=0.01, atol=0)
     assert cross["qgz"] < 0.6 * cross["zero3"]  # fp32 gradients become int4, 2 hops
+
+
+def test_hpz_secondary_memory_matches_the_estimator(runs):
+    """hpZ keeps 1/G of the weights per rank (2 Psi / G bytes in bf16), as estimated."""
+    import slipstream
+    from slipstream.models import GPT, GPTConfig
+
+    est = slipstream.zero.estimate_memory(
+        GPT(GPTConfig.preset("tiny")), 4, 3, param_dtype=torch.bfloat16, hpz_partition_size=2
+    )
+    for r in runs:
+        got = r["hpz"]["secondary_bytes"]
+        assert abs(got - est["hpz_secondary"]) <= 0.05 * est["hpz_secondary"]
