@@ -20,7 +20,7 @@ from torch import nn
 
 from slipstream.checkpoint.format import CheckpointError, CheckpointReader, dtype_name
 from slipstream.zero.optimizer import ZeroOptimizer
-from slipstream.zero.stage3 import ShardedStore
+from slipstream.zero.stage3 import GatheredParameters, ShardedStore
 
 __all__ = ["Collected", "collect_state", "restore_state"]
 
@@ -67,9 +67,14 @@ def _scalar(value: Any) -> dict[str, Any]:
 def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Collected:
     """Gather (as views, no copies where possible) what this rank writes."""
     out = Collected()
+    frozen = _frozen(module, opt)
+    # Frozen weights stored as int8 under ZeRO-3 exist in full only while gathered (every
+    # rank enters; a no-op for ordinary replicated frozen weights).
+    with GatheredParameters([p for _, p in frozen]):
+        if rank == 0:
+            for name, p in frozen:
+                out.add(f"model/{name}", 0, p.detach().clone(), tuple(p.shape))
     if rank == 0:
-        for name, p in _frozen(module, opt):
-            out.add(f"model/{name}", 0, p.detach(), tuple(p.shape))
         for name, t in _buffers(module).items():
             out.add(f"buffer/{name}", 0, t.detach(), tuple(t.shape))
     if opt is None:
@@ -164,8 +169,10 @@ def restore_state(
 ) -> None:
     """Fill parameters, masters and (optionally) optimizer states from ``reader``."""
     check_compatible(reader, module, opt)
-    for name, p in _frozen(module, opt):
-        reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
+    frozen = _frozen(module, opt)
+    with GatheredParameters([p for _, p in frozen], modifier_rank=0):
+        for name, p in frozen:
+            reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
     buffers = _buffers(module)
     for name in reader.names("buffer"):
         if name in buffers:

@@ -453,12 +453,8 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
         raise ConfigError(
             "zero_optimization.offload_optimizer.ratio < 1 (partial offload) is not implemented yet"
         )
-    if zero.zero_quantized_nontrainable_weights:
-        raise ConfigError(
-            "zero_optimization.zero_quantized_nontrainable_weights (int8 storage of frozen "
-            "weights) is not implemented yet. Remove it"
-        )
     zpp = {
+        "zero_quantized_nontrainable_weights": zero.zero_quantized_nontrainable_weights,
         "zero_quantized_weights": zero.zero_quantized_weights,
         "zero_quantized_gradients": zero.zero_quantized_gradients,
         "zero_hpz_partition_size": zero.zero_hpz_partition_size != 1,

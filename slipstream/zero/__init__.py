@@ -119,7 +119,9 @@ def shard_zero_(
                 block=cfg.zero_quantized_weights_block_size,
                 hpz_group=topology.node_group if hpz and topology is not None else None,
                 hpz_size=cfg.zero_hpz_partition_size,
-            )
+                quantize_frozen=cfg.zero_quantized_nontrainable_weights,
+            ),
+            model,
         )
     else:
         buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)

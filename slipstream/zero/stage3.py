@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
+from slipstream.distributed.quantize import QuantizedBlocks, dequantize_blocks, quantize_blocks
 from slipstream.zero.flat import Bucket, _make_bucket
 from slipstream.zero.init import materialize_
 
@@ -75,6 +76,28 @@ class Unit:
     gathered: bool = True
     active: int = 0  # forwards (or GatheredParameters contexts) currently using it
     pending: list[Any] = field(default_factory=list)  # all-gathers in flight (prefetch)
+    frozen: list[FrozenInt8] = field(default_factory=list)  # ZeRO++ int8-stored frozen weights
+
+
+@dataclass
+class FrozenInt8:
+    """A frozen weight stored as int8 block codes (``zero_quantized_nontrainable_weights``);
+    ``buf`` (which the parameter views) holds its dequantized values only while its unit is
+    gathered."""
+
+    param: nn.Parameter
+    buf: torch.Tensor
+    codes: QuantizedBlocks
+
+    def fill(self) -> None:
+        self.buf.untyped_storage().resize_(self.buf.numel() * self.buf.element_size())
+        dequantize_blocks(self.codes, out=self.buf)
+
+    def free(self) -> None:
+        self.buf.untyped_storage().resize_(0)
+
+    def nbytes(self) -> int:
+        return self.codes.codes.numel() + 4 * self.codes.scales.numel()
 
 
 def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -103,12 +126,15 @@ class ZeroPPWeights:
         hpz_group: hpZ, the group of ``hpz_size`` consecutive ranks holding a secondary copy
             of each released unit; the backward all-gather stays inside it. None disables.
         hpz_size: size of ``hpz_group``.
+        quantize_frozen: store frozen (``requires_grad=False``) weights as int8 codes,
+            dequantized per unit while it runs (``zero_quantized_nontrainable_weights``).
     """
 
     quantize: bool = False
     block: int = 2048
     hpz_group: comm.Group = None
     hpz_size: int = 1
+    quantize_frozen: bool = False
 
 
 class ShardedStore:
@@ -140,17 +166,49 @@ class ShardedStore:
         self.prefetch_numel = 50_000_000  # stage3_prefetch_bucket_size (0 disables prefetch)
         self.max_live_numel = 1_000_000_000  # stage3_max_live_parameters (caps prefetching)
         self.zeropp = ZeroPPWeights()
+        self.module_unit: dict[int, int] = {}  # id(module) -> index of the unit running it
         self.secondary: list[torch.Tensor | None] = [None] * len(buckets)  # hpZ
         self.secondary_valid = [False] * len(buckets)
 
-    def enable_zeropp(self, zeropp: ZeroPPWeights) -> None:
-        """Turn on qwZ and/or hpZ (before the first forward)."""
+    def enable_zeropp(self, zeropp: ZeroPPWeights, model: nn.Module | None = None) -> None:
+        """Turn on qwZ, hpZ and/or int8 frozen weights (before the first forward)."""
         self.zeropp = zeropp
+        if zeropp.quantize_frozen and model is not None:
+            self._quantize_frozen(model, zeropp.block)
         if zeropp.hpz_group is not None and zeropp.hpz_size > 1:
             for b, bucket in enumerate(self.buckets):
                 if self.units[self.unit_of[b]].persistent:
                     continue
                 self.secondary[b] = bucket.flat.new_empty(bucket.numel // zeropp.hpz_size)
+
+    @torch.no_grad()
+    def _quantize_frozen(self, model: nn.Module, block: int) -> None:
+        seen: set[int] = set()
+        for _, mod in model.named_modules():
+            for p in mod._parameters.values():
+                if p is None or p.requires_grad or not p.is_floating_point() or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                unit = self.units[self.module_unit.get(id(mod), 0)]
+                n = p.numel()
+                codes = quantize_blocks(p.detach(), 8, min(block, n + n % 2))
+                buf = p.detach().new_empty(n)
+                p.data = buf.view(p.shape)
+                entry = FrozenInt8(p, buf, codes)
+                unit.frozen.append(entry)
+                setattr(p, _OWNER_ATTR, (self, unit.index))
+                if unit.index not in unit.uses:
+                    unit.uses = sorted([*unit.uses, unit.index])
+                if unit.gathered:
+                    entry.fill()
+                else:
+                    entry.free()
+        self.remove_hooks()
+        self.install_hooks()
+
+    def frozen_bytes(self) -> int:
+        """Bytes of the int8 codes and scales of frozen weights stored quantized."""
+        return sum(f.nbytes() for u in self.units for f in u.frozen)
 
     def secondary_bytes(self) -> int:
         """Memory of the hpZ secondary copies (``2 Psi / G`` in bf16)."""
@@ -227,6 +285,8 @@ class ShardedStore:
                     flat, source, group=group, async_op=True, label=label
                 )
             unit.pending.append(work)
+        for entry in unit.frozen:
+            entry.fill()
         unit.gathered = True
 
     def _note(self, phase: str, unit: Unit) -> None:
@@ -270,6 +330,8 @@ class ShardedStore:
                 secondary.copy_(flat[g * n : (g + 1) * n])
                 self.secondary_valid[b] = True
             flat.untyped_storage().resize_(0)
+        for entry in unit.frozen:
+            entry.free()
         unit.gathered = False
 
     def release_all(self) -> None:
@@ -367,6 +429,11 @@ class ShardedStore:
                         "masters are swapped to NVMe (offload_optimizer.device = 'nvme') yet"
                     )
                 self.masters[b].copy_(self.shards[b])
+        for entry in unit.frozen:
+            if modifier_dp_rank is not None and self.dp_size > 1:
+                src = comm.global_rank(self.group, modifier_dp_rank)
+                comm.broadcast(entry.buf, src=src, group=self.group, label="gathered_params")
+            entry.codes = quantize_blocks(entry.buf, 8, entry.codes.block)
 
 
 def _refuse_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -435,6 +502,7 @@ def shard_params_(
         numel = sum(buckets[b].numel for b in unit.buckets)
         unit.persistent = numel < cfg.stage3_param_persistence_threshold
     store = _finish(buckets, units, dp_group)
+    store.module_unit = dict(nearest)
     store.prefetch_numel = cfg.stage3_prefetch_bucket_size
     store.max_live_numel = cfg.stage3_max_live_parameters
     if deferred:

@@ -725,6 +725,7 @@ def test_stage_out_of_range_rejected() -> None:
     "key, value",
     [
         ("zero_quantized_weights", True),
+        ("zero_quantized_nontrainable_weights", True),
         ("zero_quantized_gradients", True),
         ("zero_hpz_partition_size", 8),
     ],
@@ -737,12 +738,7 @@ def test_zeropp_keys_need_stage_3(key: str, value: Any) -> None:
     )
 
 
-def test_zeropp_nontrainable_weights_not_implemented_and_odd_grad_block() -> None:
-    _error(
-        _cfg(zero_optimization={"stage": 3, "zero_quantized_nontrainable_weights": True}),
-        "zero_quantized_nontrainable_weights",
-        "not implemented",
-    )
+def test_zeropp_odd_grad_block() -> None:
     _error(
         _cfg(zero_optimization={"stage": 3, "zero_quantized_gradients_block_size": 511}),
         "must be even",

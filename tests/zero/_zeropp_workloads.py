@@ -74,3 +74,42 @@ def both(steps: int) -> dict[str, Any]:
 
 def all_variants(steps: int, bf16: bool) -> dict[str, dict[str, Any]]:
     return {v: train(v, steps, bf16) for v in VARIANTS}
+
+
+def frozen_int8(root: str) -> dict[str, Any]:
+    """Stage 3, bf16, block 1 frozen: int8 storage of the frozen block vs bf16 storage."""
+    out: dict[str, Any] = {}
+    for quantized in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("tiny"))
+        for p in model.layers[1].parameters():
+            p.requires_grad_(False)
+        frozen_bf16 = sum(p.numel() * 2 for p in model.layers[1].parameters())
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "zero_quantized_nontrainable_weights": quantized,
+            },
+            "bf16": {"enabled": True},
+        }
+        engine, opt, _, _ = slipstream.initialize(model=model, config=config)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses = []
+        for _ in range(5):
+            x = torch.randint(0, 256, (4, 33), generator=g)
+            loss = engine(x[:, :-1], x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if quantized:
+            engine.save_checkpoint(root, tag="q")
+            out["stored"] = opt.store.frozen_bytes()
+            out["bf16"] = frozen_bf16
+            with slipstream.zero.GatheredParameters(list(model.layers[1].parameters())):
+                out["frozen_values"] = model.layers[1].mlp.up_proj.weight.detach().clone()
+        out[quantized] = losses
+        engine.destroy()
+    return out

@@ -57,3 +57,15 @@ def test_hpz_secondary_memory_matches_the_estimator(runs):
     for r in runs:
         got = r["hpz"]["secondary_bytes"]
         assert abs(got - est["hpz_secondary"]) <= 0.05 * est["hpz_secondary"]
+
+
+def test_frozen_weights_stored_int8_train_like_bf16_and_checkpoint(tmp_path):
+    """zero_quantized_nontrainable_weights: the frozen block takes ~half of its bf16 bytes,
+    training stays within 2% of bf16 storage, and checkpoints hold the dequantized values."""
+    from slipstream.checkpoint import CheckpointReader
+
+    for r in run_world(w.frozen_int8, 2, str(tmp_path)):
+        assert r["stored"] <= 0.53 * r["bf16"]
+        assert abs(r[True][-1] - r[False][-1]) <= 0.02 * r[False][-1]
+        saved = CheckpointReader(tmp_path / "q").read_full("model/layers.1.mlp.up_proj.weight")
+        assert torch.equal(saved, r["frozen_values"])
