@@ -122,6 +122,11 @@ def initialize(
             sub_group_size=cfg.zero_optimization.sub_group_size,
             allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
             swap_dir=_swap_dir(cfg, device),
+            offload_device=_offload_device(cfg, device),
+            pin_memory=bool(
+                cfg.zero_optimization.offload_optimizer is not None
+                and cfg.zero_optimization.offload_optimizer.pin_memory
+            ),
         )
         zero_opt = shard_zero_(
             model, group, cfg.zero_optimization, policy, groups, make_optimizer, step, device
@@ -185,16 +190,26 @@ def _swap_dir(cfg: SlipstreamConfig, device: torch.device) -> str | None:
     if off is None or not off.enabled:
         return None
     if off.device == "cpu":
-        if device.type != "cpu":
-            raise ConfigError(
-                "zero_optimization.offload_optimizer.device = 'cpu' on a GPU is not implemented "
-                "yet (issue 3): use 'nvme' or remove the block"
-            )
+        return None
+    return off.nvme_path
+
+
+def _offload_device(cfg: SlipstreamConfig, device: torch.device) -> torch.device | None:
+    """CPU for ``offload_optimizer.device = "cpu"`` when training runs on an accelerator.
+
+    On a CPU-only run the states are already in host memory, so it is a no-op, unless
+    ``SLIPSTREAM_FORCE_CPU_OFFLOAD=1`` (which exercises the offload code path on CPU: separate
+    master copies, gradients handed over by copy).
+    """
+    off = cfg.zero_optimization.offload_optimizer
+    if off is None or not off.enabled or off.device != "cpu":
+        return None
+    if device.type == "cpu" and os.environ.get("SLIPSTREAM_FORCE_CPU_OFFLOAD") != "1":
         log_rank0(
             "offload_optimizer.device='cpu': training runs on the CPU, states are already there"
         )
         return None
-    return off.nvme_path
+    return torch.device("cpu")
 
 
 def _pick_config(args: Any, config: Any, config_params: Any) -> Any:

@@ -47,6 +47,10 @@ class StepPolicy:
         allow_untested_optimizer: accept optimizer classes not known to be elementwise.
         swap_dir: keep optimizer states (and separate fp32 masters) in files here between
             steps (``offload_optimizer.device = "nvme"``).
+        offload_device: keep master weights and optimizer states here (host memory, for
+            ``offload_optimizer.device = "cpu"`` on a GPU) and run the optimizer step there;
+            gradients are copied over per bucket and updated weights copied back.
+        pin_memory: page-lock the offloaded masters (faster copies on CUDA).
     """
 
     loss_scaler: LossScaler
@@ -57,6 +61,8 @@ class StepPolicy:
     sub_group_size: int = OPTIMIZER_CHUNK
     allow_untested_optimizer: bool = False
     swap_dir: str | None = None
+    offload_device: torch.device | None = None
+    pin_memory: bool = False
 
 
 class ZeroOptimizer:
@@ -99,6 +105,8 @@ class ZeroOptimizer:
         self.loss_scaler = step.loss_scaler
         self.clip = step.clip
         self.check_overflow = step.check_overflow or step.loss_scaler.enabled
+        self.offload_device = step.offload_device
+        self.pin_memory = step.pin_memory
         self.masters = [self._make_master(b, master_dtype) for b in self.buckets]
         if hasattr(store, "masters"):
             store.masters = self.masters  # stage 3: GatheredParameters edits reach the masters
@@ -216,6 +224,11 @@ class ZeroOptimizer:
 
     def _make_master(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
         region = self.store.owned(bucket.index)
+        if self.offload_device is not None:  # CPU offload: always a host copy
+            master = region.detach().to(device=self.offload_device, dtype=dtype, copy=True)
+            if self.pin_memory and torch.cuda.is_available():
+                master = master.pin_memory()
+            return master
         if region.dtype == dtype:
             return region  # the master is the parameter storage itself
         return region.detach().to(dtype).clone()
@@ -303,7 +316,8 @@ class ZeroOptimizer:
                 self._swap_in(b)
             for view, c in zip(self._views[b], self._chunks[b]):
                 g = grad[c]
-                view.grad = g if g.dtype == view.dtype else g.to(view.dtype)
+                same = g.dtype == view.dtype and g.device == view.device
+                view.grad = g if same else g.to(device=view.device, dtype=view.dtype)
             self.optimizer.step()
             for view in self._views[b]:
                 view.grad = None

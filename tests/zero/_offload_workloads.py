@@ -109,3 +109,31 @@ def peak_rss(swap_dir: str | None) -> int:
         engine.backward(engine(x, x))
         engine.step()
     return _vm("VmHWM") - before
+
+
+def cpu_offload_path() -> dict[str, Any]:
+    """offload_optimizer.device = "cpu" with SLIPSTREAM_FORCE_CPU_OFFLOAD=1: the GPU code path
+    (separate host masters, gradients copied over, weights copied back) run on CPU."""
+    import os
+
+    out: dict[str, Any] = {}
+    for stage in (2, 3):
+        base = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        plain = _run(base, "tiny", 3, 16)
+        plain["engine"].destroy()
+        os.environ["SLIPSTREAM_FORCE_CPU_OFFLOAD"] = "1"
+        zero = dict(base["zero_optimization"], offload_optimizer={"device": "cpu"})
+        off = _run(dict(base, zero_optimization=zero), "tiny", 3, 16)
+        del os.environ["SLIPSTREAM_FORCE_CPU_OFFLOAD"]
+        opt = off["engine"].optimizer
+        out[stage] = {
+            "same_losses": plain["losses"] == off["losses"],
+            "same_params": all(torch.equal(a, b) for a, b in zip(plain["params"], off["params"])),
+            "separate_masters": opt.master_bytes() > 0,
+        }
+        off["engine"].destroy()
+    return out

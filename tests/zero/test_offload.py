@@ -26,3 +26,12 @@ def test_nvme_offload_lowers_peak_rss(tmp_path):
         f"peak RSS above baseline: in-memory states {plain / 2**20:.0f} MB, NVMe {swapped / 2**20:.0f} MB"
     )
     assert swapped < plain - 100 * 2**20, (plain, swapped)
+
+
+def test_cpu_offload_path_is_exact():
+    """The offload_optimizer.device = "cpu" path (host masters, step on the host) trains
+    bit-identically to in-place masters (fp32, stages 2 and 3); forced on this CPU-only box."""
+    for r in run_world(w.cpu_offload_path, 2):
+        for stage in (2, 3):
+            assert r[stage]["same_losses"] and r[stage]["same_params"], stage
+            assert r[stage]["separate_masters"], stage
