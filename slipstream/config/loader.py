@@ -439,10 +439,16 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
                     f"{getattr(defaults, key)!r}"
                 )
     if zero.offload_param is not None and zero.offload_param.enabled:
-        raise ConfigError(
-            f"zero_optimization.offload_param.device = '{zero.offload_param.device}' is not "
-            "implemented yet; parameter offload arrives with issue 3. Remove the block"
-        )
+        if zero.stage != 3:
+            raise ConfigError(
+                f"zero_optimization.offload_param needs stage 3 (parameters are partitioned "
+                f"only there), but stage = {zero.stage}: set stage 3 or remove offload_param"
+            )
+        if zero.offload_param.device == "nvme":
+            raise ConfigError(
+                "zero_optimization.offload_param.device = 'nvme' is not implemented yet (only "
+                "'cpu'): use 'cpu', or offload the optimizer states to NVMe instead"
+            )
     off = zero.offload_optimizer
     if off is not None and off.device == "nvme" and not off.nvme_path:
         raise ConfigError(

@@ -112,6 +112,8 @@ def shard_zero_(
     if cfg.stage == 3:
         _broadcast_from_dp0(model, [], dp_group)
         buckets, store = shard_params_(model, groups, names, dp_group, cfg, device)
+        if cfg.offload_param is not None and cfg.offload_param.enabled:
+            store.offload_shards(torch.device("cpu"), cfg.offload_param.pin_memory)
         hpz = topology is not None and cfg.zero_hpz_partition_size > 1
         store.enable_zeropp(
             ZeroPPWeights(

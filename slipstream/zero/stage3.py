@@ -170,6 +170,15 @@ class ShardedStore:
         self.secondary: list[torch.Tensor | None] = [None] * len(buckets)  # hpZ
         self.secondary_valid = [False] * len(buckets)
 
+    def offload_shards(self, device: torch.device, pin_memory: bool) -> None:
+        """``offload_param``: keep this rank's parameter shards in host memory; each gather
+        copies them to the compute device first."""
+        for b, shard in enumerate(self.shards):
+            moved = shard.to(device)
+            if pin_memory and torch.cuda.is_available():
+                moved = moved.pin_memory()
+            self.shards[b] = moved
+
     def enable_zeropp(self, zeropp: ZeroPPWeights, model: nn.Module | None = None) -> None:
         """Turn on qwZ, hpZ and/or int8 frozen weights (before the first forward)."""
         self.zeropp = zeropp
@@ -227,9 +236,10 @@ class ShardedStore:
         self.secondary_valid[b] = False  # hpZ: the weights changed
         if not self.units[self.unit_of[b]].gathered:
             return None
+        flat = self.buckets[b].flat
         return comm.all_gather_into_tensor(
-            self.buckets[b].flat,
-            self.shards[b],
+            flat,
+            self.shards[b].to(flat.device, non_blocking=True),
             group=self.group,
             async_op=True,
             label=f"param_unit{b}",
@@ -240,7 +250,9 @@ class ShardedStore:
         if self.dp_size == 1:
             return
         mine = torch.tensor(
-            [unit.index], dtype=torch.int64, device=self.shards[0].device if self.shards else "cpu"
+            [unit.index],
+            dtype=torch.int64,
+            device=self.buckets[0].flat.device if self.buckets else "cpu",
         )
         every = mine.new_empty(self.dp_size)
         comm.all_gather_into_tensor(every, mine, group=self.group, label="unit_check")
@@ -276,6 +288,8 @@ class ShardedStore:
             secondary = self.secondary[b]
             if phase == "bwd" and secondary is not None and self.secondary_valid[b]:
                 group, source = zpp.hpz_group, secondary  # hpZ: stay inside the node
+            if source.device != flat.device:  # offload_param: the shard lives on the host
+                source = source.to(flat.device, non_blocking=True)
             if zpp.quantize:
                 work = comm.all_gather_quantized(
                     flat, source, 8, zpp.block, group=group, async_op=True, label=label

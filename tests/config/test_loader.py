@@ -668,13 +668,19 @@ def test_alias_cpu_offload_false_is_dropped() -> None:
     assert cfg.zero_optimization.offload_optimizer is None
 
 
-def test_alias_cpu_offload_param_then_rejected_for_issue_3() -> None:
-    """``cpu_offload_param: true`` becomes ``offload_param`` (warned), which waits for issue 3."""
+def test_alias_cpu_offload_param_then_needs_stage_3() -> None:
+    """``cpu_offload_param: true`` becomes ``offload_param`` (warned), which needs stage 3;
+    NVMe parameter offload is refused."""
     with (
         pytest.warns(DeprecationWarning, match="use 'zero_optimization.offload_param'"),
-        pytest.raises(ConfigError, match=r"offload_param\.device = 'cpu'.*issue 3"),
+        pytest.raises(ConfigError, match=r"offload_param needs stage 3.*stage = 2"),
     ):
         parse_config(_cfg(zero_optimization={"stage": 2, "cpu_offload_param": True}))
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}
+    with pytest.raises(ConfigError, match=r"offload_param\.device = 'nvme' is not implemented"):
+        parse_config(_cfg(zero_optimization=zero))
+    cfg = parse_config(_cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}))
+    assert cfg.zero_optimization.offload_param is not None
 
 
 def test_alias_stage3_gather_fp16_weights() -> None:
@@ -756,13 +762,11 @@ def test_zeropp_keys_at_defaults_accepted() -> None:
     assert parse_config(_cfg(zero_optimization=zero)).zero_optimization.stage == 2
 
 
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_offload_param_rejected_mentions_issue_3(device: str) -> None:
-    """Parameter offload is refused until issue 3; device "none" is accepted."""
+def test_offload_param_nvme_refused_none_accepted() -> None:
+    """Parameter offload to NVMe is refused (CPU works); device "none" is accepted."""
     _error(
-        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": device}}),
-        f"zero_optimization.offload_param.device = '{device}' is not implemented yet",
-        "issue 3",
+        _cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}),
+        "zero_optimization.offload_param.device = 'nvme' is not implemented yet",
     )
     cfg = parse_config(_cfg(zero_optimization={"stage": 3, "offload_param": {"device": "none"}}))
     assert not cfg.zero_optimization.offload_param.enabled

@@ -127,6 +127,8 @@ def cpu_offload_path() -> dict[str, Any]:
         plain["engine"].destroy()
         os.environ["SLIPSTREAM_FORCE_CPU_OFFLOAD"] = "1"
         zero = dict(base["zero_optimization"], offload_optimizer={"device": "cpu"})
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}  # shards in host memory
         off = _run(dict(base, zero_optimization=zero), "tiny", 3, 16)
         del os.environ["SLIPSTREAM_FORCE_CPU_OFFLOAD"]
         opt = off["engine"].optimizer

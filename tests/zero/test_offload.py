@@ -29,8 +29,9 @@ def test_nvme_offload_lowers_peak_rss(tmp_path):
 
 
 def test_cpu_offload_path_is_exact():
-    """The offload_optimizer.device = "cpu" path (host masters, step on the host) trains
-    bit-identically to in-place masters (fp32, stages 2 and 3); forced on this CPU-only box."""
+    """The offload_optimizer.device = "cpu" path (host masters, step on the host; at stage 3
+    also offload_param = cpu) trains bit-identically to no offload (fp32, stages 2 and 3);
+    forced on this CPU-only box, where host and device memory are the same."""
     for r in run_world(w.cpu_offload_path, 2):
         for stage in (2, 3):
             assert r[stage]["same_losses"] and r[stage]["same_params"], stage
