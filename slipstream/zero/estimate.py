@@ -25,6 +25,8 @@ def estimate_memory(
     grad_dtype: torch.dtype = torch.float32,
     optimizer_states: int = 2,
     hpz_partition_size: int = 1,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
 ) -> dict[str, int]:
     """Bytes per data-parallel rank for parameters, gradients, master weights, optimizer states.
 
@@ -40,9 +42,13 @@ def estimate_memory(
             momentum: 1, Lion: 1).
         hpz_partition_size: ZeRO++ hpZ group size G (stage 3): each rank also keeps a
             secondary copy of 1/G of the trainable weights, ``2 Psi / G`` bytes in bf16.
+        offload_optimizer: ``"cpu"`` or ``"nvme"``: where master weights and optimizer
+            states live (with ``"cpu"`` the master is always a separate copy).
+        offload_param: ``"cpu"`` (stage 3): the parameter shards live in host memory.
     Returns:
-        ``{"params", "grads", "master", "optimizer", "hpz_secondary", "total"}`` in bytes
-        (``hpz_secondary`` is also counted in ``params``). Transient buffers
+        ``{"params", "grads", "master", "optimizer", "hpz_secondary", "total", "device",
+        "host", "nvme"}`` in bytes (``hpz_secondary`` is also counted in ``params``;
+        ``device + host + nvme == total``). Transient buffers
         (reduction staging, gathered ZeRO-3 units, activations) are not included.
     """
     if stage not in (0, 1, 2, 3):
@@ -60,7 +66,8 @@ def estimate_memory(
     owned = trainable if stage == 0 else shard
     params = (shard if stage == 3 else trainable) * pb + frozen * pb
     grads = (shard if stage >= 2 else trainable) * gb
-    master = 0 if master_dtype == pdtype else owned * mb
+    separate = master_dtype != pdtype or offload_optimizer == "cpu"
+    master = owned * mb if separate else 0
     optimizer = optimizer_states * owned * mb
     if hpz_partition_size < 1 or world % hpz_partition_size:
         raise ValueError(f"hpz_partition_size must divide world={world}, got {hpz_partition_size}")
@@ -69,6 +76,17 @@ def estimate_memory(
     )
     params += secondary
     total = params + grads + master + optimizer
+    if offload_param not in (None, "cpu") or (offload_param and stage != 3):
+        raise ValueError(f"offload_param must be None or 'cpu' (stage 3), got {offload_param!r}")
+    if offload_optimizer not in (None, "cpu", "nvme"):
+        raise ValueError(
+            f"offload_optimizer must be None, 'cpu' or 'nvme', got {offload_optimizer!r}"
+        )
+    states = master + optimizer
+    host = states if offload_optimizer == "cpu" else 0
+    nvme = states if offload_optimizer == "nvme" else 0
+    if offload_param == "cpu":
+        host += params - secondary
     return {
         "params": params,
         "grads": grads,
@@ -76,4 +94,7 @@ def estimate_memory(
         "optimizer": optimizer,
         "hpz_secondary": secondary,
         "total": total,
+        "device": total - host - nvme,
+        "host": host,
+        "nvme": nvme,
     }

@@ -136,6 +136,14 @@ def cpu_offload_path() -> dict[str, Any]:
             "same_losses": plain["losses"] == off["losses"],
             "same_params": all(torch.equal(a, b) for a, b in zip(plain["params"], off["params"])),
             "separate_masters": opt.master_bytes() > 0,
+            "master_bytes": opt.master_bytes(),
+            "estimate": slipstream.zero.estimate_memory(
+                GPT(GPTConfig.preset("tiny")),
+                dist.get_world_size(),
+                stage,
+                offload_optimizer="cpu",
+                offload_param="cpu" if stage == 3 else None,
+            ),
         }
         off["engine"].destroy()
     return out

@@ -36,3 +36,6 @@ def test_cpu_offload_path_is_exact():
         for stage in (2, 3):
             assert r[stage]["same_losses"] and r[stage]["same_params"], stage
             assert r[stage]["separate_masters"], stage
+            est = r[stage]["estimate"]
+            assert abs(r[stage]["master_bytes"] - est["master"]) <= 0.05 * est["master"]
+            assert est["host"] >= est["master"] + est["optimizer"]
