@@ -192,8 +192,13 @@ def init_distributed(
     if is_initialized():
         return
     if rank < 0 and "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # A world of one. The rendezvous address goes in init_method, not the environment:
+        # a MASTER_PORT left in os.environ would be inherited by every process this one
+        # launches later (their own rendezvous would then collide with this live one).
+        if init_method is None:
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            port = os.environ.get("MASTER_PORT") or str(_free_port())
+            init_method = f"tcp://{addr}:{port}"
         rank, world_size = 0, 1
         os.environ.setdefault("LOCAL_RANK", "0")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")

@@ -17,3 +17,22 @@ def test_collectives_exact_and_counted():
         assert dp["all_reduce"] == {"calls": 1, "bytes": 16 * 4}
         assert "model differs between ranks" in r["diverged"]
         assert "ranks [0]" in r["diverged"] and "ranks [1]" in r["diverged"]
+
+
+def test_world_of_one_leaves_no_master_port_for_child_processes():
+    """A single-process init must not export MASTER_PORT: processes launched afterwards would
+    inherit it and collide with this live rendezvous (EADDRINUSE)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os; from slipstream.distributed import comm; comm.init_distributed(); "
+        "assert comm.get_world_size() == 1; print('MASTER_PORT' in os.environ)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
