@@ -68,7 +68,7 @@ class ZeroConfig(StrictModel):
     load_from_fp32_weights: bool = True
     """Initialize master weights from saved fp32 weights when loading a checkpoint."""
     elastic_checkpoint: bool = False
-    """Accepted for compatibility; slipstream checkpoints are always reshardable (issue 4)."""
+    """Accepted for compatibility; slipstream checkpoints are always reshardable."""
     round_robin_gradients: bool = False
     """Accepted for compatibility: a DeepSpeed CPU-offload scheduling knob."""
     ignore_unused_parameters: bool = True

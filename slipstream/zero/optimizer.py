@@ -253,8 +253,8 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         if self.swapper is not None:
             raise RuntimeError(
-                "state_dict() with offload_optimizer.device = 'nvme' is not supported yet "
-                "(checkpointing of swapped states arrives with issue 4)"
+                "optimizer.state_dict() with offload_optimizer.device = 'nvme' is not supported "
+                "(the states live in swap files): use engine.save_checkpoint, which handles them"
             )
         return {
             "optimizer": self.optimizer.state_dict(),
