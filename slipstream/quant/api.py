@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from slipstream.quant.attention import quantize_attention_
 from slipstream.quant.config import (
     W4A8FP4,
     W8A8FP8,
@@ -117,7 +118,8 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
 
     Module names are kept (``layers.0.attn.q_proj`` stays addressable), so HF ``generate``
     and name-based tooling work unchanged. For :class:`W8A8Int` with ``fuse_norms`` and
-    per-token activations, norms also quantize their output once for their consumers.
+    per-token activations, norms also quantize their output once for their consumers, and
+    with ``modes.attn_core`` supported attention modules get the INT8 core (QK^T, PV).
 
     Returns ``model``. Raises TypeError for a config type with no registered handler and
     ValueError (naming the module) when a layer cannot take the config.
@@ -143,6 +145,8 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
         replaced += 1
     if isinstance(config, W8A8Int) and config.fuse_norms and config.act_scheme == "token":
         attach_norm_quant_(model)
+    if isinstance(config, W8A8Int) and config.modes.attn_core:
+        quantize_attention_(model)
     model._slipstream_quant_config = config  # type: ignore[assignment]
     logger.info("quantize_: replaced %d layers with %s", replaced, type(config).__name__)
     return model

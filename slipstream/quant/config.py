@@ -41,11 +41,15 @@ class HeroModes:
 
     The paper's M1/M2/M3 tables were not available to us (spec sec. 1.2, UNCONFIRMED), so
     presets in :data:`HERO_PRESETS` are named by what they do and were chosen by measurement
-    (docs/quantization.md). A GEMM switched off stays an ``nn.Linear`` in the model's dtype.
+    (docs/quantization.md). A GEMM switched off stays an ``nn.Linear`` in the model's dtype;
+    an attention core switched off stays the model's float attention.
     """
 
     qkv_gemm: bool = True
     """Query/key/value projections."""
+    attn_core: bool = True
+    """QK^T and PV as int8 x int8 -> int32 products, softmax quantized at the fixed scale
+    1/127 (:mod:`slipstream.quant.attention`; slipstream GPT attention only)."""
     attn_out_gemm: bool = True
     """Attention output projection."""
     fc1_gemm: bool = True
@@ -68,6 +72,7 @@ class HeroModes:
 
 HERO_PRESETS: dict[str, HeroModes] = {
     "all_int8": HeroModes(),
+    "attn_core_float": HeroModes(attn_core=False),
     "fc2_float": HeroModes(fc2_gemm=False),
     "mlp_float": HeroModes(fc1_gemm=False, fc2_gemm=False),
     "attn_int8_only": HeroModes(fc1_gemm=False, fc2_gemm=False, attn_out_gemm=False),
