@@ -11,7 +11,7 @@ import importlib
 import sys
 from typing import Any
 
-from slipstream.cli import convert, launcher, report
+from slipstream.cli import convert, launcher, quant, report
 from slipstream.version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -58,6 +58,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     launcher.add_parser(subparsers)
     report.add_parser(subparsers)
     convert.add_parser(subparsers)
+    quant.add_parser(subparsers)
     _add_demo_parser(subparsers, load=command == "demo")
     return parser
 
