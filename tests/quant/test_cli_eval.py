@@ -14,7 +14,7 @@ from slipstream.cli.quant import GPT_CONFIG_FILE
 from slipstream.models import GPT, GPTConfig
 from slipstream.quant import perplexity
 
-TEXT = "The quick brown fox jumps over the lazy dog. " * 6
+TEXT = "The quick brown fox jumps over the lazy dog. " * 3
 
 
 def _rows(out: str) -> dict[str, list[float]]:
