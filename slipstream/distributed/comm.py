@@ -7,11 +7,13 @@ generated. Works with gloo (CPU) and NCCL (CUDA) alike.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import re
 import socket
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
@@ -210,9 +212,37 @@ def init_distributed(
     if rank >= 0:
         kwargs.update(rank=rank, world_size=world_size)
     dist.init_process_group(**kwargs)
+    atexit.register(_shutdown)
     logger.debug(
         "initialized torch.distributed: backend=%s world=%d", backend, dist.get_world_size()
     )
+
+
+_EXIT_HOOKS: list[Any] = []  # weak references to callables that finish in-flight work
+
+
+def at_exit(method: Any) -> None:
+    """Run ``method`` (a bound method, held weakly) before the process group is torn down at
+    interpreter exit: e.g. wait for prefetch all-gathers still in flight."""
+    _EXIT_HOOKS.append(weakref.WeakMethod(method))
+
+
+def _shutdown() -> None:
+    """At exit: finish in-flight collectives, then destroy the process group slipstream made.
+
+    Tearing a gloo group down while asynchronous work is pending aborts the process
+    ("terminate called without an active exception") when the script did not call
+    ``engine.destroy()`` / ``destroy_process_group()`` itself.
+    """
+    for ref in _EXIT_HOOKS:
+        hook = ref()
+        if hook is not None:
+            try:
+                hook()
+            except Exception as e:  # a peer already gone: nothing left to finish
+                logger.debug("exit hook failed: %s", e)
+    if is_initialized():
+        dist.destroy_process_group()
 
 
 def get_rank(group: Group = None) -> int:

@@ -165,10 +165,18 @@ class ShardedStore:
         self._noted: dict[str, set[int]] = {"fwd": set(), "bwd": set()}
         self.prefetch_numel = 50_000_000  # stage3_prefetch_bucket_size (0 disables prefetch)
         self.max_live_numel = 1_000_000_000  # stage3_max_live_parameters (caps prefetching)
+        comm.at_exit(self.wait_pending)
         self.zeropp = ZeroPPWeights()
         self.module_unit: dict[int, int] = {}  # id(module) -> index of the unit running it
         self.secondary: list[torch.Tensor | None] = [None] * len(buckets)  # hpZ
         self.secondary_valid = [False] * len(buckets)
+
+    def wait_pending(self) -> None:
+        """Finish every all-gather in flight (prefetches of units that never ran)."""
+        for unit in self.units:
+            for work in unit.pending:
+                work.wait()
+            unit.pending = []
 
     def offload_shards(self, device: torch.device, pin_memory: bool) -> None:
         """``offload_param``: keep this rank's parameter shards in host memory; each gather
