@@ -153,11 +153,7 @@ def save_checkpoint(
         raise CheckpointError(f"checkpoint tag {tag!r} is not a valid directory name")
     root = Path(save_dir)
     rank, world = comm.get_rank(), comm.get_world_size()
-    nonce = (
-        _agree(engine, uuid.uuid4().hex[:12], "temporary directory name")
-        if world > 1
-        else uuid.uuid4().hex[:12]
-    )
+    nonce = _agree(engine, uuid.uuid4().hex[:12], "temporary directory name")
     tmp = root / f".{tag}.tmp-{nonce}"
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=False)

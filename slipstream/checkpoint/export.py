@@ -24,11 +24,11 @@ from slipstream.checkpoint.format import (
     StreamingSafetensorsWriter,
     atomic_write_text,
 )
+from slipstream.zero.export import INDEX_FILE
 
 __all__ = ["HF_CONFIG", "convert_checkpoint", "parse_size"]
 
 HF_CONFIG = "hf_config.json"
-_INDEX = "model.safetensors.index.json"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -108,7 +108,7 @@ def convert_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("model*.safetensors"), out / _INDEX]:
+    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
         old.unlink(missing_ok=True)
     n = len(shards)
     weight_map: dict[str, str] = {}
@@ -129,7 +129,7 @@ def convert_checkpoint(
         shutil.copyfile(hf_config, out / "config.json")
     if n == 1:
         return out / "model.safetensors"
-    index = out / _INDEX
+    index = out / INDEX_FILE
     atomic_write_text(
         index,
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),

@@ -374,13 +374,6 @@ def reduce_scatter_tensor(
     return fn(output, input, op=op, group=group, async_op=async_op)
 
 
-def _fit_block(n: int, block: int) -> int:
-    """Equal, even blocks of at most ``block`` that just cover ``n`` elements (tiny padding)."""
-    nblocks = max(1, -(-n // block))
-    fitted = -(-n // nblocks)
-    return fitted + fitted % 2
-
-
 def all_gather_quantized(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -396,11 +389,16 @@ def all_gather_quantized(
     every rank's slot of ``output`` is dequantized to ``output.dtype`` on ``wait()``. Every rank
     ends with the same values, its own slot included.
     """
-    from slipstream.distributed.quantize import QuantizedBlocks, dequantize_blocks, quantize_blocks
+    from slipstream.distributed.quantize import (
+        QuantizedBlocks,
+        dequantize_blocks,
+        fit_block,
+        quantize_blocks,
+    )
 
     k = get_world_size(group)
     n = input.numel()
-    block = _fit_block(n, block)
+    block = fit_block(n, block)
     q = quantize_blocks(input, bits, block)
     codes = q.codes.new_empty(k * q.codes.numel())
     scales = q.scales.new_empty(k * q.scales.numel())
@@ -443,7 +441,12 @@ def reduce_scatter_2hop_quantized(
     Returns the *sum*; callers divide by ``W`` for the average (a true average, unlike
     DeepSpeed's qgZ path, which divides by the node count).
     """
-    from slipstream.distributed.quantize import QuantizedBlocks, dequantize_blocks, quantize_blocks
+    from slipstream.distributed.quantize import (
+        QuantizedBlocks,
+        dequantize_blocks,
+        fit_block,
+        quantize_blocks,
+    )
 
     g_size, n_size = get_world_size(node_group), get_world_size(cross_group)
     chunk = output.numel()
@@ -458,7 +461,7 @@ def reduce_scatter_2hop_quantized(
     def exchange(parts: torch.Tensor, group: Group, k: int) -> torch.Tensor:
         """All-to-all ``k`` equal parts quantized per part; returns the fp32 sum of received."""
         per = parts.shape[1]
-        fitted = _fit_block(per, block)
+        fitted = fit_block(per, block)
         qs = [quantize_blocks(parts[i], bits, fitted) for i in range(k)]
         codes = torch.cat([q.codes for q in qs])
         scales = torch.cat([q.scales for q in qs])

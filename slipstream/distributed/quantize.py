@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantizedBlocks", "dequantize_blocks", "quantize_blocks", "wire_bytes"]
+__all__ = ["QuantizedBlocks", "dequantize_blocks", "fit_block", "quantize_blocks", "wire_bytes"]
 
 
 @dataclass
@@ -34,6 +34,13 @@ def _check(bits: int, block: int) -> None:
         raise ValueError(f"block quantization supports 4 or 8 bits, got bits={bits}")
     if block <= 0 or (bits == 4 and block % 2):
         raise ValueError(f"block size must be positive (and even for int4), got block={block}")
+
+
+def fit_block(n: int, block: int) -> int:
+    """Equal, even blocks of at most ``block`` that just cover ``n`` elements (tiny padding)."""
+    nblocks = max(1, -(-n // block))
+    fitted = -(-n // nblocks)
+    return fitted + fitted % 2
 
 
 def quantize_blocks(x: torch.Tensor, bits: int = 8, block: int = 2048) -> QuantizedBlocks:

@@ -21,7 +21,7 @@ from slipstream.zero.stage3 import GatheredParameters
 
 __all__ = ["gathered_model", "save_16bit_model"]
 
-_INDEX = "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @contextmanager
@@ -99,7 +99,7 @@ def save_16bit_model(
                     flush()
                 shard[name] = value.contiguous()
                 shard_bytes += value.numel() * value.element_size()
-    index = out / _INDEX
+    index = out / INDEX_FILE
     if rank0:
         flush()
         total = sum((out / f).stat().st_size for f in files)

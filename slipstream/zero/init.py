@@ -200,20 +200,16 @@ def _initializers(
         if name in owner:
             model, base = owner[name]
             rel = name[len(base) + 1 :] if base else name
-            out[id(mod)] = functools.partial(_call_model_init, model, rel, mod)
+            per_module = getattr(model, "init_module_weights", None)
+            if callable(per_module):
+                out[id(mod)] = functools.partial(per_module, rel, mod)
+            else:
+                out[id(mod)] = functools.partial(getattr(model, "_init_weights"), mod)  # noqa: B009
             continue
         reset = getattr(mod, "reset_parameters", None)
         if callable(reset):
             out[id(mod)] = reset
     return out
-
-
-def _call_model_init(model: nn.Module, name: str, module: nn.Module) -> None:
-    per_module = getattr(model, "init_module_weights", None)
-    if callable(per_module):
-        per_module(name, module)
-    else:
-        model._init_weights(module)  # type: ignore[operator]
 
 
 def _no_initializer(name: str, module: nn.Module) -> TypeError:

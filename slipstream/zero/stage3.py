@@ -32,7 +32,12 @@ from torch.utils._pytree import tree_flatten
 
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
-from slipstream.distributed.quantize import QuantizedBlocks, dequantize_blocks, quantize_blocks
+from slipstream.distributed.quantize import (
+    QuantizedBlocks,
+    dequantize_blocks,
+    fit_block,
+    quantize_blocks,
+)
 from slipstream.zero.flat import Bucket, _make_bucket
 from slipstream.zero.init import materialize_
 
@@ -208,7 +213,7 @@ class ShardedStore:
                 seen.add(id(p))
                 unit = self.units[self.module_unit.get(id(mod), 0)]
                 n = p.numel()
-                codes = quantize_blocks(p.detach(), 8, min(block, n + n % 2))
+                codes = quantize_blocks(p.detach(), 8, fit_block(n, block))
                 buf = p.detach().new_empty(n)
                 p.data = buf.view(p.shape)
                 entry = FrozenInt8(p, buf, codes)
