@@ -22,31 +22,32 @@ import torch
 from torch import nn
 
 from slipstream.quant import (
-    W4A8FP4,
-    W8A8FP8,
     QuantConfig,
-    W4A8Int4,
-    W8A8Int,
     mean_cosine,
     perplexity,
     quantize_,
 )
+from slipstream.quant.eval import eval_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The rows of every table: slipstream.quant.eval's named configs (also `slipstream quant eval`).
+TABLE = [
+    "fp32",
+    "w8a8-int",
+    "w8a8-fp8",
+    "w8a8-fp8-e5m2",
+    "w4a8-int4",
+    "w4a8-int4-lorc8",
+    "w4a8-fp4",
+    "w4a8-fp4-lorc8",
+]
+
+
 def configs(int_backend: str) -> list[tuple[str, QuantConfig | None]]:
-    b = int_backend  # "int_mm" (exact W8A8) or "fbgemm" (W7A8, fast on x86 CPUs)
-    return [
-        ("fp32", None),
-        ("W8A8-INT", W8A8Int(backend=b)),  # type: ignore[arg-type]
-        ("W8A8-FP8 (e4m3)", W8A8FP8()),
-        ("W8A8-FP8 (e5m2 act)", W8A8FP8(act_format="e5m2")),
-        ("W4A8-INT4", W4A8Int4(backend=b)),  # type: ignore[arg-type]
-        ("W4A8-INT4 + LoRC8", W4A8Int4(backend=b, lorc_rank=8)),  # type: ignore[arg-type]
-        ("W4A8-FP4", W4A8FP4()),
-        ("W4A8-FP4 + LoRC8", W4A8FP4(lorc_rank=8)),
-    ]
+    """``int_backend``: "int_mm" (exact W8A8) or "fbgemm" (W7A8, fast on x86 CPUs)."""
+    return eval_configs(TABLE, int_backend)
 
 
 def _text() -> str:
