@@ -22,6 +22,7 @@ from typing import Any
 
 from slipstream.config._base import validate_model
 from slipstream.config._errors import ConfigError
+from slipstream.config.parallel import check_parallel_config
 from slipstream.config.schema import NOT_YET_IMPLEMENTED, SlipstreamConfig
 
 __all__ = ["AutoContext", "load_config", "parse_config", "resolve_batch_sizes"]
@@ -184,7 +185,7 @@ def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
             value is None
             or value is False
             or (isinstance(value, dict) and not value.get("enabled", default_on and bool(value)))
-            or (key in ("sequence_parallel_size", "data_parallel_size") and value in (1, AUTO))
+            or (key == "sequence_parallel_size" and value in (1, AUTO))
         )
         if not disabled:
             raise ConfigError(
@@ -196,12 +197,9 @@ def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
 
 _BLOCKS_WITHOUT_ENABLED = frozenset(
     {
-        "activation_checkpointing",
         "checkpoint",
         "aio",
         "compile",
-        "pipeline",
-        "tensor_parallel",
         "timers",
     }
 )
@@ -216,6 +214,12 @@ def _resolve_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
     _resolve_precision_auto(raw, ctx)
     _resolve_optimizer_auto(raw, ctx)
     _resolve_scheduler_auto(raw, ctx)
+    # Mesh sizes: "auto" means "whatever the world and the other sizes leave".
+    if _is_auto(raw.get("data_parallel_size")):
+        raw["data_parallel_size"] = None
+    pipe = raw.get("pipeline")
+    if isinstance(pipe, dict) and _is_auto(pipe.get("stages")):
+        pipe["stages"] = None
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
         hidden_rules = {
@@ -417,6 +421,7 @@ def parse_config(
 
 def _check_consistency(cfg: SlipstreamConfig) -> None:
     """Cross-field rules and features that arrive with later issues."""
+    check_parallel_config(cfg.pipeline)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError(
             "fp16.enabled and bf16.enabled are both true: choose one precision "

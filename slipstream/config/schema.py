@@ -7,6 +7,11 @@ from typing import Any, Literal
 from pydantic import Field
 
 from slipstream.config._base import StrictModel
+from slipstream.config.parallel import (
+    ActivationCheckpointingConfig,
+    PipelineConfig,
+    TensorParallelConfig,
+)
 from slipstream.config.precision import BF16Config, DataTypesConfig, FP16Config
 from slipstream.config.zero import ZeroConfig
 
@@ -75,10 +80,6 @@ class CheckpointConfig(StrictModel):
 # land. A block whose "enabled" is false (or a trivial value) is accepted; anything else is an
 # error naming the issue, never a silent drop.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "activation_checkpointing": "activation checkpointing is not implemented yet",
-    "tensor_parallel": "tensor parallelism arrives with issue 6",
-    "pipeline": "pipeline parallelism arrives with issue 6",
-    "data_parallel_size": "explicit mesh sizes arrive with issue 6 (dp = world / sp / tp / pp)",
     "hybrid_engine": "the RLHF hybrid engine is not implemented yet",
     "flops_profiler": "the FLOPs profiler is not implemented yet",
     "tensorboard": "monitors are not implemented yet",
@@ -157,8 +158,18 @@ class SlipstreamConfig(StrictModel):
     """Drop the last incomplete batch of the dataloader ``initialize`` builds."""
     sequence_parallel_size: int = Field(1, ge=1)
     """Ranks that share one sequence (Ulysses or LSS attention, ``slipstream.sequence``);
-    must divide the world size. The data-parallel size (batch arithmetic) is
-    world / sequence_parallel_size; ZeRO shards over all ranks."""
+    must divide the world size. ZeRO shards over the data- and sequence-parallel ranks."""
+    data_parallel_size: int | None = Field(None, ge=1)
+    """Data-parallel size; None (or "auto") takes world / (sp x tp x pp). A number must equal
+    it: the mesh is fully determined by the other sizes, this key only double-checks it."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """Tensor parallelism (AutoTP)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline schedule for a ``PipelineModule`` model."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    """Options of ``slipstream.checkpointing`` (activation recomputation)."""
     managed_gradient_accumulation: bool = True
     """The engine counts micro-steps; false makes every ``step()`` a boundary."""
 

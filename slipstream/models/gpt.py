@@ -26,10 +26,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from slipstream import checkpointing
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
+from slipstream.parallel.tensor import gather_from_tp, vocab_parallel_cross_entropy
 from slipstream.sequence import lss_attention, sequence_parallel_cross_entropy, ulysses_attention
 from slipstream.zero.init import deferred_init_active
 
@@ -80,7 +81,8 @@ class GPTConfig:
     """Dropout on attention probabilities and on each residual branch, in [0, 1)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them
-    (``torch.utils.checkpoint``, non-reentrant, RNG state preserved so dropout matches):
+    (``slipstream.checkpointing``, RNG state preserved so dropout matches; the
+    ``activation_checkpointing`` config block picks full, partitioned, CPU or selective):
     activation memory drops from O(layers x block internals) to O(layers x hidden) at the
     cost of one extra forward per block. Only applies while autograd records."""
     sequence_parallel: str | None = None
@@ -186,6 +188,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def _checkpoint(layer: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    # The activation_checkpointing config options (partitioned, CPU, selective) once
+    # slipstream.initialize configured them; else torch's non-reentrant checkpoint. Both
+    # replay dropout masks, tensor-parallel RNG streams included.
+    if checkpointing.is_configured():
+        out: torch.Tensor = checkpointing.checkpoint(layer, *args)
+    else:
+        out = checkpointing.non_reentrant_checkpoint(layer, *args)
+    return out
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -214,12 +227,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         # Head counts come from the weights, not the config, so a tensor-parallel plan that
-        # shards q/k/v by output rows keeps working with the local number of heads.
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        # shards q/k/v by output rows keeps working with the local number of heads; the
+        # length too (Megatron-SP: x holds a slice of the sequence, q/k/v all of it).
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t = q.shape[:2]
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         if self.sp_group is not None:
             return self.o_proj(self._sequence_parallel(q, k, v).reshape(b, t, -1))
@@ -286,6 +301,8 @@ class GPT(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     sp_group: comm.Group = None
+    tp_group: comm.Group = None  # bound by slipstream.parallel.tensor.parallelize_tp_
+    tp_sequence_parallel: bool = False
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -328,6 +345,17 @@ class GPT(nn.Module):
         self.sp_group = sp_group
         for layer in self.layers:
             layer.attn.sp_group = sp_group  # type: ignore[union-attr]
+
+    def set_tensor_parallel_group(self, tp_group: comm.Group, sequence_parallel: bool) -> None:
+        """Compute the loss from vocabulary-sharded logits over ``tp_group`` (called by
+        ``parallelize_tp_`` after it split the layers); ``sequence_parallel``: the residual
+        stream is split along the sequence between layers."""
+        if sequence_parallel and self.sp_group is not None:
+            raise ConfigError(
+                "Megatron-style sequence parallelism (tensor_parallel.sequence_parallel) and "
+                "Ulysses/LSS sequence parallelism cannot be combined on one GPT: choose one"
+            )
+        self.tp_group, self.tp_sequence_parallel = tp_group, sequence_parallel
 
     def tie_weights(self) -> None:
         """Make ``lm_head`` share ``embed_tokens.weight`` when ``config.tie_embeddings``.
@@ -417,11 +445,12 @@ class GPT(nn.Module):
         sin = self.rope_sin[start : start + t].to(x.dtype)
         checkpointed = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            if checkpointed:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+            x = _checkpoint(layer, x, cos, sin) if checkpointed else layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
+        if self.tp_group is not None:  # logits hold this rank's slice of the vocabulary
+            if labels is None:
+                return gather_from_tp(logits, self.tp_group)
+            return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
         if labels is None:
             return logits
         if sp_size > 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -70,7 +71,9 @@ def initialize(
         raise ValueError("initialize() needs model=: pass the nn.Module to train")
     if mpu is not None:
         raise ValueError(
-            "mpu= (Megatron model-parallel unit) is not supported yet: tensor/pipeline parallelism arrives with issue 6"
+            "mpu= (a Megatron model-parallel unit) is not accepted: slipstream builds its own "
+            "process groups from the config (tensor_parallel.autotp_size, a PipelineModule's "
+            "num_stages, sequence_parallel_size); remove mpu="
         )
     config = _pick_config(args, config, config_params)
     if distributed_port is not None:
@@ -80,7 +83,7 @@ def initialize(
     comm.ensure_control_group()
     # Which ranks share a node: the comm logger splits intra-node from cross-node bytes.
     comm.set_ranks_per_node(resolve_ranks_per_node(comm.get_world_size()))
-    dims = _parallel_dims(config)
+    dims = _parallel_dims(config, model)
     mesh = build_mesh(dims)
     group = dp_sp_group(mesh)  # ZeRO shards over every rank holding the same parameters
     device = _device()
@@ -91,7 +94,8 @@ def initialize(
 
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     cfg = parse_config(config, dp_world_size=dims.dp, auto=_auto_context(model, client_opt))
-    _check_ranks_agree(model, cfg)
+    # Pipeline stages hold different layers: compare the model within a stage only.
+    _check_ranks_agree(model, cfg, group if dims.pp > 1 else None)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
 
@@ -109,6 +113,27 @@ def initialize(
         model.to(device)
     if policy.param_dtype != model_dtype:
         model.to(policy.param_dtype)
+    if dims.tp > 1:
+        from slipstream.parallel.random import model_parallel_manual_seed
+        from slipstream.parallel.tensor import parallelize_tp_
+
+        # Default stream equal on all TP ranks, the sharded-region stream different on each.
+        seed = cfg.seed if cfg.seed is not None else torch.initial_seed() % 2**62
+        model_parallel_manual_seed(seed, comm.get_rank(mesh.get_group("tp")))
+
+        parallelize_tp_(
+            model, mesh.get_group("tp"), sequence_parallel=cfg.tensor_parallel.sequence_parallel
+        )
+    if (
+        dims.pp > 1
+        or dims.tp > 1
+        or cfg.activation_checkpointing != type(cfg.activation_checkpointing)()
+    ):
+        from slipstream import checkpointing
+
+        checkpointing.configure(
+            mesh.get_group("tp") if dims.tp > 1 else None, cfg.activation_checkpointing
+        )
 
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
     zero_opt: ZeroOptimizer | None = None
@@ -127,6 +152,8 @@ def initialize(
                 cfg.zero_optimization.offload_optimizer is not None
                 and cfg.zero_optimization.offload_optimizer.pin_memory
             ),
+            tp_group=mesh.get_group("tp") if dims.tp > 1 else None,
+            pp_group=mesh.get_group("pp") if dims.pp > 1 else None,
         )
         zero_opt = shard_zero_(
             model, group, cfg.zero_optimization, policy, groups, make_optimizer, step, device
@@ -149,14 +176,16 @@ def initialize(
             drop_last=cfg.dataloader_drop_last,
             seed=cfg.seed or 0,
         )
-    engine = Engine(model, zero_opt, scheduler, cfg, mesh, device)
+    engine = _engine_class(model)(model, zero_opt, scheduler, cfg, mesh, device)
     engine.training_dataloader = loader
     log_rank0(
-        "slipstream: world=%d dp=%d sp=%d zero_stage=%d dtype=%s batch=%s (global, micro, "
-        "accumulation)",
+        "slipstream: world=%d dp=%d sp=%d tp=%d pp=%d zero_stage=%d dtype=%s batch=%s "
+        "(global, micro, accumulation)",
         comm.get_world_size(),
         dims.dp,
         dims.sp,
+        dims.tp,
+        dims.pp,
         cfg.zero_optimization.stage,
         str(policy.param_dtype).replace("torch.", ""),
         cfg.batch,
@@ -164,24 +193,66 @@ def initialize(
     return engine, zero_opt, loader, scheduler
 
 
-def _parallel_dims(config: Any) -> ParallelDims:
-    """Mesh sizes: ``sequence_parallel_size`` ranks per sequence, the rest data parallel.
+def _parallel_dims(config: Any, model: nn.Module) -> ParallelDims:
+    """Mesh sizes from the config (and a ``PipelineModule``'s stages); dp takes the rest.
 
     Read before the full parse, which needs the data-parallel size for the batch arithmetic.
     """
-    if isinstance(config, SlipstreamConfig):
-        sp: Any = config.sequence_parallel_size
-    else:
-        sp = load_config(config).get("sequence_parallel_size", 1)
-    sp = 1 if sp == "auto" else sp
+    raw = config.model_dump() if isinstance(config, SlipstreamConfig) else load_config(config)
     world = comm.get_world_size()
-    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1 or world % sp:
+    tp_block = raw.get("tensor_parallel") or {}
+    pipe_block = raw.get("pipeline") or {}
+    sizes = {
+        "sequence_parallel_size": raw.get("sequence_parallel_size", 1),
+        "tensor_parallel.autotp_size": tp_block.get("autotp_size", 1),
+        "pipeline.stages": pipe_block.get("stages"),
+        "data_parallel_size": raw.get("data_parallel_size"),
+    }
+    for key, value in sizes.items():
+        if value is None or value == "auto":
+            sizes[key] = None
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
+    stages = _pipeline_stages(model, sizes["pipeline.stages"])
+    sp, tp = sizes["sequence_parallel_size"] or 1, sizes["tensor_parallel.autotp_size"] or 1
+    others = sp * tp * stages
+    if world % others:
         raise ConfigError(
-            f"config key 'sequence_parallel_size' = {sp!r} must be a positive integer dividing "
-            f"the world size {world}: use a divisor of the number of processes (1 disables "
-            "sequence parallelism)"
+            f"sequence_parallel_size={sp} x tensor_parallel.autotp_size={tp} x pipeline "
+            f"stages={stages} = {others} does not divide the world size {world}: choose sizes "
+            "whose product divides the number of processes"
         )
-    return ParallelDims(world_size=world, sp=sp)
+    dp = sizes["data_parallel_size"]
+    if dp is not None and dp * others != world:
+        raise ConfigError(
+            f"config key 'data_parallel_size' = {dp}, but world {world} / (sp {sp} x tp {tp} "
+            f"x pp {stages}) = {world // others}: remove the key (it is derived) or fix it"
+        )
+    if sp > 1 and tp > 1:
+        raise ConfigError(
+            f"sequence_parallel_size={sp} together with tensor_parallel.autotp_size={tp} is not "
+            "supported yet: use Megatron-style sequence parallelism inside the TP group "
+            "(tensor_parallel.sequence_parallel: true) or one of the two"
+        )
+    return ParallelDims(world_size=world, sp=sp, tp=tp, pp=stages)
+
+
+def _pipeline_stages(model: nn.Module, configured: int | None) -> int:
+    """Stages of a ``PipelineModule`` (the config's ``pipeline.stages`` must agree)."""
+    if not _is_pipeline(model):
+        if configured not in (None, 1):
+            raise ConfigError(
+                f"config key 'pipeline.stages' = {configured} needs a PipelineModule model "
+                f"(got {type(model).__name__}): build the model with slipstream.pipe."
+                "PipelineModule(layers=[...], num_stages=...) or remove the key"
+            )
+        return 1
+    if configured is not None and configured != model.num_stages:
+        raise ConfigError(
+            f"config key 'pipeline.stages' = {configured}, but the PipelineModule was built "
+            f'with num_stages={model.num_stages}: make them equal (or set stages to "auto")'
+        )
+    return int(model.num_stages)  # type: ignore[arg-type]
 
 
 def _swap_dir(cfg: SlipstreamConfig, device: torch.device) -> str | None:
@@ -261,10 +332,24 @@ def _auto_context(model: nn.Module, client_opt: torch.optim.Optimizer | None) ->
     )
 
 
-def _check_ranks_agree(model: nn.Module, cfg: SlipstreamConfig) -> None:
+def _is_pipeline(model: nn.Module) -> bool:
+    # A PipelineModule instance means its package was imported: no import for other models.
+    pipeline = sys.modules.get("slipstream.parallel.pipeline")
+    return pipeline is not None and isinstance(model, pipeline.PipelineModule)
+
+
+def _engine_class(model: nn.Module) -> type[Engine]:
+    if not _is_pipeline(model):
+        return Engine
+    from slipstream.parallel.pipeline import PipelineEngine
+
+    return PipelineEngine
+
+
+def _check_ranks_agree(model: nn.Module, cfg: SlipstreamConfig, group: comm.Group) -> None:
     """Fail fast (instead of hanging in a collective) if ranks built different things."""
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    comm.check_same_across_ranks(shapes, "model (parameter names, shapes and dtypes)")
+    comm.check_same_across_ranks(shapes, "model (parameter names, shapes and dtypes)", group)
     comm.check_same_across_ranks(
         json.dumps(cfg.model_dump(), sort_keys=True, default=str), "config"
     )

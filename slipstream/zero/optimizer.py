@@ -51,6 +51,12 @@ class StepPolicy:
             ``offload_optimizer.device = "cpu"`` on a GPU) and run the optimizer step there;
             gradients are copied over per bucket and updated weights copied back.
         pin_memory: page-lock the offloaded masters (faster copies on CUDA).
+        tp_group: tensor-parallel group: the global gradient norm sums the squares of
+            tensor-parallel shards (parameters with ``tensor_parallel_dim``) over it, and
+            counts replicated parameters once.
+        pp_group: pipeline group: each stage holds different parameters, so the norm sums
+            over it (parameters marked ``grad_norm_duplicate``, e.g. the second copy of a
+            tied weight, are left out).
     """
 
     loss_scaler: LossScaler
@@ -63,6 +69,8 @@ class StepPolicy:
     swap_dir: str | None = None
     offload_device: torch.device | None = None
     pin_memory: bool = False
+    tp_group: comm.Group = None
+    pp_group: comm.Group = None
 
 
 class ZeroOptimizer:
@@ -121,6 +129,8 @@ class ZeroOptimizer:
         self._check_optimizer(step.allow_untested_optimizer)
         if optimizer_kind(type(self.optimizer)) == "elementwise":
             self._split_views(max(1, min(step.sub_group_size, OPTIMIZER_CHUNK)))
+        self.tp_group, self.pp_group = step.tp_group, step.pp_group
+        self._norm_parts = [self._norm_segments(b) for b in self.buckets]
         self.global_grad_norm: float | None = None
         self.overflow = False
         self.swapper: TensorSwapper | None = None
@@ -330,13 +340,43 @@ class ZeroOptimizer:
         self.reducer.zero()
         return True
 
+    def _norm_segments(self, bucket: Bucket) -> list[tuple[slice, int]] | None:
+        """(slice of this rank's shard, kind) per parameter: 0 tensor-parallel shard,
+        1 replicated, 2 left out of the norm; None when every parameter is replicated."""
+        if self.tp_group is None and self.pp_group is None:
+            return None
+        lo, hi = self.store.owned_range(bucket.index)
+        parts = []
+        for off, p in zip(bucket.offsets, bucket.params):
+            start, stop = max(off, lo), min(off + p.numel(), hi)
+            if start < stop:
+                kind = 2 if getattr(p, "grad_norm_duplicate", False) else 1
+                if kind == 1 and getattr(p, "tensor_parallel_dim", None) is not None:
+                    kind = 0
+                parts.append((slice(start - lo, stop - lo), kind))
+        return None if all(k == 1 for _, k in parts) else parts
+
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        """L2 norm of the whole model's gradient: over data-, tensor- and pipeline-parallel
+        ranks, each element counted once."""
+        device = grads[0].device if grads else torch.device("cpu")
+        sq = torch.zeros(3, dtype=torch.float32, device=device)  # tp-sharded, replicated, skip
+        for g, parts in zip(grads, self._norm_parts):
+            if parts is None:
+                sq[1] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                continue
+            for sl, kind in parts:
+                sq[kind] += torch.linalg.vector_norm(g[sl], dtype=torch.float32).square()
         if self.partition:
             comm.all_reduce(sq, group=self.group, label="grad_norm")
-        return float(sq.sqrt())
+        if self.tp_group is not None:
+            sharded = sq[:1].clone()
+            comm.all_reduce(sharded, group=self.tp_group, label="grad_norm")
+            sq[0] = sharded[0]
+        total = sq[:2].sum()
+        if self.pp_group is not None:
+            comm.all_reduce(total, group=self.pp_group, label="grad_norm")
+        return float(total.sqrt())
 
     def _publish(self, b: int) -> Any:
         """Copy bucket ``b``'s updated master into the parameters; start sharing it."""

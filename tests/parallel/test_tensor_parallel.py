@@ -1,0 +1,117 @@
+"""Tensor parallelism (alone and with ZeRO over data-parallel ranks) matches one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_world
+from tests.parallel import _tp_workloads as w
+
+# (model, tp, ZeRO stage, sequence_parallel, gradient clipping)
+RUNS2 = [
+    ("gpt", 2, 0, False, None),
+    ("gpt", 2, 1, True, 0.05),
+    ("gpt_tied", 2, 0, False, None),
+    ("llama", 2, 0, False, None),
+    ("gpt2", 2, 0, False, None),
+]
+RUNS4 = [
+    ("gpt", 4, 0, False, None),
+    ("gpt", 4, 3, True, None),
+    ("gpt", 2, 1, False, None),
+    ("gpt", 2, 2, False, 0.05),
+    ("gpt", 2, 3, False, None),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_world(w.world2, 2, RUNS2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world(w.world4, 4, RUNS4)
+
+
+@pytest.fixture(scope="module")
+def references():
+    keys = {(r[0], r[4]) for r in RUNS2 + RUNS4}
+    return {k: w.reference_run(*k) for k in keys}
+
+
+def _check_layers(per_rank):
+    for rank, res in enumerate(per_rank):
+        layers = res["layers"]
+        y, ref, dx, ref_dx = layers["mlp"]
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank} MLP output")
+        torch.testing.assert_close(dx, ref_dx, rtol=1e-5, atol=1e-5)
+        for got, want in layers["mlp_grads"]:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(*layers["embedding"], rtol=0, atol=0)
+        loss, ref_loss, grad, ref_grad = layers["ce"]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+        biggest, full = layers["ce_max_numel"]
+        # Nothing of [tokens, vocab] size exists on any rank: only [tokens, vocab / tp].
+        assert biggest <= full // len(per_rank), (biggest, full)
+
+
+def _check_runs(results, references, runs):
+    for run in runs:
+        got, ref = results[run], references[(run[0], run[4])]
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]),
+            torch.tensor(ref["losses"]),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m, run=run: f"{run} losses: {m}",
+        )
+        assert got["params"].keys() == ref["params"].keys(), run
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(
+                got["params"][name],
+                p,
+                rtol=1e-4,
+                atol=2e-5,
+                msg=lambda m, run=run, name=name: f"{run} {name}: {m}",
+            )
+    # The runs really trained (the loss moved) and clipping really clipped.
+    ref = references[("gpt", None)]["losses"]
+    assert ref[-1] < ref[0] - 0.02
+    assert references[("gpt", 0.05)]["losses"] != ref
+
+
+def test_tp2_layers_and_loss_match_full(world2):
+    _check_layers(world2)
+
+
+def test_tp4_layers_and_loss_match_full(world4):
+    _check_layers(world4)
+
+
+def test_tp2_training_matches_single_process(world2, references):
+    """TP=2 on the reference GPT (with Megatron-SP + ZeRO-1 + clipping, tied embeddings)
+    and on HF LLaMA and GPT-2 models under the automatic plan."""
+    _check_runs(world2[0]["runs"], references, RUNS2)
+
+
+def test_tp4_and_tp2_dp2_with_zero_match_single_process(world4, references):
+    _check_runs(world4[0]["runs"], references, RUNS4)
+
+
+def test_dropout_streams(world2):
+    res = [r["rng"] for r in world2]
+    masks = res[0]["masks"]
+    assert torch.equal(masks[0][0], masks[1][0]), "default stream must match across TP ranks"
+    assert not torch.equal(masks[0][1], masks[1][1]), "TP stream must differ across TP ranks"
+    assert torch.equal(masks[0][2], masks[1][2]), "fork() must not advance the default stream"
+    for sp in (False, True):
+        inputs, norms, moved = res[0]["streams"][sp]
+        if not sp:  # replicated residual stream: identical on both TP ranks
+            torch.testing.assert_close(inputs[0], inputs[1], rtol=0, atol=0)
+        else:  # sequence-split: two different halves of the sequence
+            assert not torch.equal(inputs[0], inputs[1])
+        torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
+        assert moved > 0, "the norm weights should have been trained"
