@@ -12,6 +12,7 @@ every piece of a param group and are kept per group in the manifest.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,26 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def checkpoint_name(name: str, p: torch.Tensor) -> str:
+    """A parameter's name in the checkpoint: a tensor-parallel shard is stored as its own
+    tensor, ``<name>.tp<rank>of<size>`` (loading needs the same TP size)."""
+    size = getattr(p, "tensor_parallel_size", None)
+    if size is None:
+        return name
+    return f"{name}.tp{p.tensor_parallel_rank}of{size}"  # type: ignore[attr-defined]
+
+
+_TP_SUFFIX = re.compile(r"\.tp(\d+)of(\d+)$")
+
+
+def _tp_rank(module: nn.Module) -> int:
+    for p in module.parameters():
+        rank = getattr(p, "tensor_parallel_rank", None)
+        if rank is not None:
+            return int(rank)
+    return 0
+
+
 def _scalar(value: Any) -> dict[str, Any]:
     if isinstance(value, torch.Tensor):
         return {"value": value.item(), "tensor": True, "dtype": dtype_name(value.dtype)}
@@ -68,13 +89,17 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
     """Gather (as views, no copies where possible) what this rank writes."""
     out = Collected()
     frozen = _frozen(module, opt)
+    # Replicated tensors are written once per pipeline stage: by data-parallel rank 0 of
+    # tensor-parallel rank 0 (TP shards by every TP rank, under their own names).
+    tp_rank = _tp_rank(module)
+    lead = (rank if opt is None else opt.dp_rank) == 0
     # Frozen weights stored as int8 under ZeRO-3 exist in full only while gathered (every
     # rank enters; a no-op for ordinary replicated frozen weights).
     with GatheredParameters([p for _, p in frozen]):
-        if rank == 0:
-            for name, p in frozen:
-                out.add(f"model/{name}", 0, p.detach().clone(), tuple(p.shape))
-    if rank == 0:
+        for name, p in frozen:
+            if lead and (tp_rank == 0 or checkpoint_name(name, p) != name):
+                out.add(f"model/{checkpoint_name(name, p)}", 0, p.detach().clone(), p.shape)
+    if lead and tp_rank == 0:
         for name, t in _buffers(module).items():
             out.add(f"buffer/{name}", 0, t.detach(), tuple(t.shape))
     if opt is None:
@@ -87,9 +112,11 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
         region, master = opt.store.owned(b), opt.masters[b]
         separate = master.data_ptr() != region.data_ptr()
         w = bucket.shard_slice(opt.dp_rank)
-        for p, off, name in zip(bucket.params, bucket.offsets, bucket.names):
+        names = [checkpoint_name(n, p) for n, p in zip(bucket.names, bucket.params)]
+        replicas = [tp_rank > 0 and n == m for n, m in zip(names, bucket.names)]
+        for p, off, name, skip in zip(bucket.params, bucket.offsets, names, replicas):
             s, e = max(off, w.start), min(off + p.numel(), w.stop)
-            if s >= e:
+            if s >= e or skip:
                 continue
             shape = tuple(p.shape)
             out.add(f"model/{name}", s - off, region[s - lo : e - lo], shape)
@@ -101,11 +128,11 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
                 continue
             c0 = lo + chunk.start  # chunk start in bucket coordinates
             i = _param_at(bucket.offsets, c0)
-            off, p, name = bucket.offsets[i], bucket.params[i], bucket.names[i]
+            off, p, name = bucket.offsets[i], bucket.params[i], names[i]
             s, e = max(c0, w.start), min(lo + chunk.stop, w.stop)
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.numel() == view.numel() > 0:
-                    if s < e:
+                    if s < e and not replicas[i]:
                         piece = value.reshape(-1)[s - c0 : e - c0]
                         out.add(f"optim/{key}/{name}", s - off, piece, tuple(p.shape))
                 else:
@@ -127,11 +154,24 @@ def _param_at(offsets: list[int], pos: int) -> int:
 def check_compatible(
     reader: CheckpointReader, module: nn.Module, opt: ZeroOptimizer | None
 ) -> None:
-    """Same parameter names and shapes as the checkpoint, or an error listing the differences."""
-    have = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    """Same parameter names and shapes as the checkpoint, or an error listing the differences.
+
+    A rank holding part of the model (a pipeline stage, a tensor-parallel shard) checks its
+    own parameters only; tensor-parallel shards need the TP size they were saved with.
+    """
+    have = {checkpoint_name(n, p): tuple(p.shape) for n, p in module.named_parameters()}
     saved = {n: reader.shape(f"model/{n}") for n in reader.names("model")}
+    tp_sizes = {int(m.group(2)) for n in saved if (m := _TP_SUFFIX.search(n))}
+    mine = {int(m.group(2)) for n in have if (m := _TP_SUFFIX.search(n))}
+    if tp_sizes != mine:
+        raise CheckpointError(
+            f"checkpoint {reader.dir} was saved with tensor-parallel sizes {sorted(tp_sizes) or [1]}"
+            f" but this engine runs tensor_parallel.autotp_size {sorted(mine) or [1]}: load it "
+            "with the same autotp_size"
+        )
     missing = sorted(set(have) - set(saved))
-    unexpected = sorted(set(saved) - set(have))
+    partial = bool(mine) or int(getattr(module, "num_stages", 1)) > 1
+    unexpected = [] if partial else sorted(set(saved) - set(have))
     wrong = [
         f"{n}: model {have[n]} vs checkpoint {saved[n]}"
         for n in have
@@ -172,6 +212,7 @@ def restore_state(
     frozen = _frozen(module, opt)
     with GatheredParameters([p for _, p in frozen], modifier_rank=0):
         for name, p in frozen:
+            name = checkpoint_name(name, p)
             reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
     buffers = _buffers(module)
     for name in reader.names("buffer"):
@@ -189,7 +230,7 @@ def restore_state(
         region, master = opt.store.owned(b), opt.masters[b]
         separate = master.data_ptr() != region.data_ptr()
         for p, off, name in zip(bucket.params, bucket.offsets, bucket.names):
-            n = p.numel()
+            n, name = p.numel(), checkpoint_name(name, p)
             src = _value_source(reader, name, region.dtype)
             if stage3:
                 s, e = max(off, lo), min(off + n, hi)
@@ -226,7 +267,7 @@ def _restore_optimizer_states(
     for view, chunk in zip(opt._views[b], opt._chunks[b]):
         c0 = lo + chunk.start
         i = _param_at(bucket.offsets, c0)
-        off, name = bucket.offsets[i], bucket.names[i]
+        off, name = bucket.offsets[i], checkpoint_name(bucket.names[i], bucket.params[i])
         state: dict[str, Any] = {}
         for key in keys:
             tensor = f"optim/{key}/{name}"

@@ -225,6 +225,7 @@ def _shard_param_(p: nn.Parameter, dim: int, group: comm.Group, parts: int = 1) 
     torch.utils.swap_tensors(p, nn.Parameter(local, requires_grad=p.requires_grad))
     p.tensor_parallel_dim = dim  # type: ignore[attr-defined]
     p.tensor_parallel_parts = parts  # type: ignore[attr-defined]
+    p.tensor_parallel_rank, p.tensor_parallel_size = rank, world  # type: ignore[attr-defined]
 
 
 class ColumnParallelLinear(_TPModule):

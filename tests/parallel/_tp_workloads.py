@@ -266,11 +266,59 @@ def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def world2(runs: list[tuple[Any, ...]]) -> dict[str, Any]:
+def _ckpt_engine(tp: int, stage: int) -> Any:
+    import slipstream
+
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH // (dist.get_world_size() // tp),
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"autotp_size": tp},
+        "seed": 1,
+    }
+    torch.manual_seed(5)
+    engine, *_ = slipstream.initialize(model=GPT(gpt_config()), config=config)
+    return engine
+
+
+def _train(engine: Any, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    losses = []
+    for x, y in steps:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def checkpoint_checks(root: str) -> dict[str, Any]:
+    """TP=2 x ZeRO-1: save after 2 steps, resume in a new engine: the same next losses."""
+    data = batches()
+    engine = _ckpt_engine(2, 1)
+    _train(engine, data[:2])
+    engine.save_checkpoint(root, tag="s2")
+    straight = _train(engine, data[2:])
+    engine.destroy()
+    engine = _ckpt_engine(2, 1)
+    engine.load_checkpoint(root, tag="s2")
+    resumed = _train(engine, data[2:])
+    engine.destroy()
+    engine = _ckpt_engine(1, 1)  # no TP: the shards do not fit
+    try:
+        engine.load_checkpoint(root, tag="s2")
+        error = ""
+    except Exception as e:  # the message is what is checked
+        error = str(e)
+    engine.destroy()
+    return {"straight": straight, "resumed": resumed, "error": error}
+
+
+def world2(runs: list[tuple[Any, ...]], root: str) -> dict[str, Any]:
     return {
         "layers": layer_checks(),
         "rng": rng_checks(),
         "runs": {r: engine_run(*r) for r in runs},
+        "checkpoint": checkpoint_checks(root),
     }
 
 

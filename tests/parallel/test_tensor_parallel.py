@@ -26,8 +26,8 @@ RUNS4 = [
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_world(w.world2, 2, RUNS2)
+def world2(tmp_path_factory):
+    return run_world(w.world2, 2, RUNS2, str(tmp_path_factory.mktemp("tp_ckpt")))
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,11 @@ def test_dropout_streams(world2):
             assert not torch.equal(inputs[0], inputs[1])
         torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
         assert moved > 0, "the norm weights should have been trained"
+
+
+def test_checkpoint_resume_under_tp(world2):
+    for rank, res in enumerate(world2):
+        ck = res["checkpoint"]
+        torch.testing.assert_close(ck["resumed"], ck["straight"], rtol=1e-6, atol=0)
+        assert "saved with tensor-parallel sizes [2]" in ck["error"], (rank, ck["error"])
+        assert "autotp_size [1]" in ck["error"]
