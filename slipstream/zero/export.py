@@ -60,8 +60,9 @@ def save_16bit_model(
 ) -> Path:
     """Write ``module``'s full weights as sharded safetensors in ``dtype`` (rank 0 writes).
 
-    Every rank must call it (ZeRO-3 units are gathered collectively). Peak extra memory is one
-    unit plus one output shard. Returns the index file path.
+    Every rank must call it (ZeRO-3 units are gathered collectively; tensor-parallel shards
+    are all-gathered into full tensors). Peak extra memory is one unit plus one output shard.
+    Returns the index file path.
     """
     from safetensors.torch import save_file
 
@@ -86,8 +87,13 @@ def save_16bit_model(
         weight_map.update(dict.fromkeys(shard, name))
         shard, shard_bytes = {}, 0
 
+    tp_group = getattr(module, "tp_group", None)  # set by parallelize_tp_
     for group in _tensor_groups(module):
         with GatheredParameters([t for _, t in group if isinstance(t, nn.Parameter)]):
+            if tp_group is not None:  # full tensors from the TP shards (collective)
+                from slipstream.parallel.tensor import unshard_tp
+
+                group = [(name, unshard_tp(t, tp_group)) for name, t in group]
             if not rank0:
                 continue
             for name, t in group:

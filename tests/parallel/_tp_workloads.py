@@ -298,6 +298,10 @@ def checkpoint_checks(root: str) -> dict[str, Any]:
     _train(engine, data[:2])
     engine.save_checkpoint(root, tag="s2")
     straight = _train(engine, data[2:])
+    engine.save_16bit_model(f"{root}/export")  # full tensors from the TP shards
+    tp_group = engine.mesh.get_group("tp")
+    full = {n: unshard_tp(p, tp_group) for n, p in engine.module.named_parameters()}
+    exported = _read_export(f"{root}/export")
     engine.destroy()
     engine = _ckpt_engine(2, 1)
     engine.load_checkpoint(root, tag="s2")
@@ -310,7 +314,21 @@ def checkpoint_checks(root: str) -> dict[str, Any]:
     except Exception as e:  # the message is what is checked
         error = str(e)
     engine.destroy()
-    return {"straight": straight, "resumed": resumed, "error": error}
+    export_ok = exported.keys() >= full.keys() and all(
+        torch.equal(exported[n], full[n].to(torch.bfloat16)) for n in full
+    )
+    return {"straight": straight, "resumed": resumed, "error": error, "export_ok": export_ok}
+
+
+def _read_export(path: str) -> dict[str, torch.Tensor]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
 
 
 def world2(runs: list[tuple[Any, ...]], root: str) -> dict[str, Any]:

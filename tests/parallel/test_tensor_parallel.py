@@ -123,3 +123,4 @@ def test_checkpoint_resume_under_tp(world2):
         torch.testing.assert_close(ck["resumed"], ck["straight"], rtol=1e-6, atol=0)
         assert "saved with tensor-parallel sizes [2]" in ck["error"], (rank, ck["error"])
         assert "autotp_size [1]" in ck["error"]
+        assert ck["export_ok"], "save_16bit_model must write the full (unsharded) tensors"
