@@ -422,6 +422,19 @@ def parse_config(
 def _check_consistency(cfg: SlipstreamConfig) -> None:
     """Cross-field rules and features that arrive with later issues."""
     check_parallel_config(cfg.pipeline)
+    if cfg.tensor_parallel.sequence_parallel and cfg.activation_checkpointing.partition_activations:
+        raise ConfigError(
+            "activation_checkpointing.partition_activations with "
+            "tensor_parallel.sequence_parallel: the checkpointed activations are already split "
+            "along the sequence across the TP ranks (partitioning assumes identical copies); "
+            "set partition_activations to false"
+        )
+    if cfg.tensor_parallel.sequence_parallel and cfg.tensor_parallel.autotp_size == 1:
+        raise ConfigError(
+            "tensor_parallel.sequence_parallel is true but tensor_parallel.autotp_size is 1: "
+            "Megatron-style sequence parallelism splits the sequence over the TP ranks; set "
+            "autotp_size >= 2 (or use sequence_parallel_size for Ulysses/LSS)"
+        )
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError(
             "fp16.enabled and bf16.enabled are both true: choose one precision "

@@ -86,6 +86,9 @@ def make_model(kind: str) -> nn.Module:
     if kind == "gpt":
         torch.manual_seed(5)
         return GPT(gpt_config())
+    if kind == "gpt_ckpt":  # same weights as "gpt", blocks recomputed in backward
+        torch.manual_seed(5)
+        return GPT(gpt_config(activation_checkpointing=True))
     if kind == "gpt_tied":
         torch.manual_seed(5)
         return GPT(gpt_config(tie_embeddings=True))
@@ -136,6 +139,8 @@ def engine_run(
     }
     if clip is not None:
         config["gradient_clipping"] = clip
+    if kind == "gpt_ckpt":  # checkpointed block inputs kept as 1/tp slices, gathered back
+        config["activation_checkpointing"] = {"partition_activations": True}
     engine, *_ = slipstream.initialize(model=make_model(kind), config=config)
     dp_rank = dist.get_rank() // tp  # tp is the innermost mesh axis
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)

@@ -15,6 +15,7 @@ RUNS2 = [
     ("gpt_tied", 2, 0, False, None),
     ("llama", 2, 0, False, None),
     ("gpt2", 2, 0, False, None),
+    ("gpt_ckpt", 2, 2, False, None),
 ]
 RUNS4 = [
     ("gpt", 4, 0, False, None),
@@ -37,8 +38,12 @@ def world4():
 
 @pytest.fixture(scope="module")
 def references():
-    keys = {(r[0], r[4]) for r in RUNS2 + RUNS4}
+    keys = {(_ref_kind(r[0]), r[4]) for r in RUNS2 + RUNS4}
     return {k: w.reference_run(*k) for k in keys}
+
+
+def _ref_kind(kind):
+    return "gpt" if kind == "gpt_ckpt" else kind  # checkpointing does not change the math
 
 
 def _check_layers(per_rank):
@@ -60,7 +65,7 @@ def _check_layers(per_rank):
 
 def _check_runs(results, references, runs):
     for run in runs:
-        got, ref = results[run], references[(run[0], run[4])]
+        got, ref = results[run], references[(_ref_kind(run[0]), run[4])]
         torch.testing.assert_close(
             torch.tensor(got["losses"]),
             torch.tensor(ref["losses"]),
@@ -124,3 +129,36 @@ def test_checkpoint_resume_under_tp(world2):
         assert "saved with tensor-parallel sizes [2]" in ck["error"], (rank, ck["error"])
         assert "autotp_size [1]" in ck["error"]
         assert ck["export_ok"], "save_16bit_model must write the full (unsharded) tensors"
+
+
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        (
+            {
+                "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True},
+                "activation_checkpointing": {"partition_activations": True},
+            },
+            "already split along the sequence",
+        ),
+        ({"tensor_parallel": {"sequence_parallel": True}}, "set autotp_size >= 2"),
+        ({"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}}, "tp_overlap_comm"),
+    ],
+)
+def test_tp_config_errors(config, fragment):
+    from slipstream.config import ConfigError
+    from slipstream.config.loader import parse_config
+
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config({"train_batch_size": 2, **config}, dp_world_size=1)
+
+
+def test_tp_plan_errors_name_the_module_and_size():
+    """Indivisible sizes fail before any weight is touched, naming what does not divide."""
+    from slipstream.config import ConfigError
+    from slipstream.models import GPT
+    from slipstream.parallel.tensor import _check_heads, gpt_tp_plan
+
+    model = GPT(w.gpt_config(num_heads=4, num_kv_heads=2))
+    with pytest.raises(ConfigError, match=r"num_kv_heads = 2 is not divisible by .*autotp_size=4"):
+        _check_heads(model, gpt_tp_plan(model), 4)
