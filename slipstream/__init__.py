@@ -1,14 +1,15 @@
 """slipstream: train and serve large models fast, with little memory, at any scale.
 
 ``import slipstream as deepspeed`` keeps DeepSpeed scripts working: ``initialize``,
-``init_distributed``, ``comm``, ``add_config_arguments`` and the engine's methods.
+``init_distributed``, ``comm``, ``checkpointing`` (activation checkpointing),
+``add_config_arguments``, ``slipstream.pipe`` (pipeline modules) and the engine's methods.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from slipstream import comm, zero
+from slipstream import checkpointing, comm, zero
 from slipstream.config import ConfigError, SlipstreamConfig
 from slipstream.distributed.comm import init_distributed
 from slipstream.runtime.engine import Engine
@@ -30,6 +31,7 @@ __all__ = [
     "SlipstreamConfig",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "init_distributed",
     "initialize",
