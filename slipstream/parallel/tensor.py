@@ -53,10 +53,14 @@ __all__ = [
     "TPPlan",
     "VocabParallelEmbedding",
     "auto_tp_plan",
+    "copy_to_tp",
     "gather_from_tp",
+    "gather_seq",
     "gpt_tp_plan",
     "is_tp_sharded",
     "parallelize_tp_",
+    "reduce_from_tp",
+    "reduce_scatter_seq",
     "unshard_tp",
     "vocab_parallel_cross_entropy",
 ]
@@ -111,88 +115,58 @@ def _split(x: torch.Tensor, group: comm.Group, dim: int) -> torch.Tensor:
     return x.chunk(world, dim)[rank].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    """``f``: identity forward, all-reduce of the gradient backward."""
+_Op = Callable[[torch.Tensor, comm.Group, int], torch.Tensor]
+_OPS: dict[str, _Op] = {
+    "identity": lambda x, group, dim: x.view_as(x),
+    "all_reduce": lambda x, group, dim: _all_reduce(x, group),
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "split": _split,
+}
+
+
+class _Exchange(torch.autograd.Function):
+    """One collective forward and its adjoint backward, e.g. Megatron's ``f`` (identity,
+    all-reduce) and ``g`` (all-reduce, identity), or sequence parallelism's all-gather /
+    reduce-scatter pair."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _all_reduce(g, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """``g``: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return g, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """All-gather along ``dim`` forward; keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+    def forward(
+        ctx: Any, x: torch.Tensor, group: comm.Group, dim: int, fwd: str, bwd: str
+    ) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return _OPS[fwd](x, group, dim)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _split(g, ctx.group, ctx.dim), None, None
+        return _OPS[ctx.bwd](g, ctx.group, ctx.dim), None, None, None, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    """Keep this rank's slice along ``dim`` forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _all_gather(g, ctx.group, ctx.dim), None, None
+def copy_to_tp(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """Entering a column-parallel layer: identity forward, all-reduce of the gradient."""
+    return _Exchange.apply(x, group, 0, "identity", "all_reduce")
 
 
-class _GatherSeq(torch.autograd.Function):
-    """Sequence parallel, entering a column-parallel layer: all-gather the sequence forward,
-    reduce-scatter the gradient backward (each rank's columns contributed a partial sum)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _reduce_scatter(g, ctx.group, ctx.dim), None, None
+def reduce_from_tp(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """Leaving a row-parallel layer: all-reduce of the partial sums, identity backward."""
+    return _Exchange.apply(x, group, 0, "all_reduce", "identity")
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
+def gather_seq(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """Sequence parallel, entering a column-parallel layer: all-gather the sequence, and
+    reduce-scatter the gradient (each rank's columns contributed a partial sum)."""
+    return _Exchange.apply(x, group, SEQ_DIM, "all_gather", "reduce_scatter")
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     """Sequence parallel, leaving a row-parallel layer: reduce-scatter the partial sums along
-    the sequence forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _all_gather(g, ctx.group, ctx.dim), None, None
+    the sequence, all-gather the gradient."""
+    return _Exchange.apply(x, group, SEQ_DIM, "reduce_scatter", "all_gather")
 
 
 def gather_from_tp(x: torch.Tensor, group: comm.Group, dim: int = -1) -> torch.Tensor:
     """All-gather ``x`` along ``dim`` over the TP group (differentiable)."""
-    return _GatherFromTP.apply(x, group, dim % x.dim())
+    return _Exchange.apply(x, group, dim % x.dim(), "all_gather", "split")
 
 
 SEQ_DIM = 1  # [batch, seq, hidden] activations
@@ -273,10 +247,7 @@ class ColumnParallelLinear(_TPModule):
         return cls(weight, bias, group, transposed, gather_output, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = _GatherSeq.apply(x, self.group, SEQ_DIM)
-        else:
-            x = _CopyToTP.apply(x, self.group)
+        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
         w = self.weight.t() if self.transposed else self.weight
         y = F.linear(x, w, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
@@ -319,10 +290,11 @@ class RowParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.t() if self.transposed else self.weight
         y = F.linear(x, w)
-        if self.sequence_parallel:
-            y = _ReduceScatterSeq.apply(y, self.group, SEQ_DIM)
-        else:
-            y = _ReduceFromTP.apply(y, self.group)
+        y = (
+            reduce_scatter_seq(y, self.group)
+            if self.sequence_parallel
+            else reduce_from_tp(y, self.group)
+        )
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -369,8 +341,8 @@ class VocabParallelEmbedding(_TPModule):
         out = F.embedding(local, self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return _ReduceScatterSeq.apply(out, self.group, SEQ_DIM)
-        return _ReduceFromTP.apply(out, self.group)
+            return reduce_scatter_seq(out, self.group)
+        return reduce_from_tp(out, self.group)
 
     def extra_repr(self) -> str:
         return f"rows [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings}"
