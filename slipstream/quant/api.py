@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from slipstream.quant.attention import quantize_attention_
+from slipstream.quant.attention import Int8Attention, quantize_attention_
 from slipstream.quant.config import (
     W4A8FP4,
     W8A8FP8,
@@ -146,7 +146,7 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
     if isinstance(config, W8A8Int) and config.fuse_norms and config.act_scheme == "token":
         attach_norm_quant_(model)
     if isinstance(config, W8A8Int) and config.modes.attn_core:
-        quantize_attention_(model)
+        quantize_attention_(model, config.attn_scales)
     model._slipstream_quant_config = config  # type: ignore[assignment]
     logger.info("quantize_: replaced %d layers with %s", replaced, type(config).__name__)
     return model
@@ -154,16 +154,23 @@ def quantize_(model: nn.Module, config: QuantConfig) -> nn.Module:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: Iterable[Any]) -> int:
-    """Record static activation ranges of every :class:`QuantLinear` over ``batches``.
+    """Record static activation ranges over ``batches``: of every :class:`QuantLinear` (per
+    tensor) and of every static-scale :class:`Int8Attention` (per-head Q/K, per-feature V).
 
-    Each batch is passed as ``model(batch)`` (or ``model(**batch)`` for a dict). Layers
-    with static scales use them from now on. Returns the number of batches seen.
+    Each batch is passed as ``model(batch)`` (or ``model(**batch)`` for a dict); during
+    calibration every layer runs with dynamic scales. Layers configured for static scales
+    use the recorded ranges from then on. Ranges are buffers, so they are saved with the
+    model. Returns the number of batches seen; raises ValueError for no batches.
     """
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    attns = [m for m in model.modules() if isinstance(m, Int8Attention) and m.scales == "static"]
     static = [m.act_static for m in layers]
     for m in layers:
         m.act_absmax.zero_()
         m.observing, m.act_static = True, False
+    for a in attns:
+        a.reset_ranges()
+        a.observing = True
     n = 0
     try:
         for batch in batches:
@@ -172,6 +179,8 @@ def calibrate(model: nn.Module, batches: Iterable[Any]) -> int:
     finally:
         for m, was_static in zip(layers, static):
             m.observing, m.act_static = False, was_static
+        for a in attns:
+            a.observing = False
     if n == 0:
         raise ValueError("calibrate got no batches; pass a non-empty iterable of model inputs")
     return n

@@ -138,11 +138,16 @@ class W8A8Int(QuantConfig):
     the GEMMs that consume that norm's output (quantize once instead of once per GEMM)."""
     modes: HeroModes = field(default_factory=HeroModes)
     """Per-module INT8/float switch."""
+    attn_scales: Literal["dynamic", "static"] = "dynamic"
+    """Scales of the INT8 attention core (``modes.attn_core``): ``"dynamic"`` per-token Q/K and
+    per-feature V computed each forward; ``"static"`` per-head Q/K and per-(head, feature) V
+    recorded by :func:`~slipstream.quant.calibrate` (the spec's plan; needs calibration)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_choice("W8A8Int", "act_scheme", self.act_scheme, ("token", "tensor"))
         _check_choice("W8A8Int", "backend", self.backend, ("int_mm", "fbgemm"))
+        _check_choice("W8A8Int", "attn_scales", self.attn_scales, ("dynamic", "static"))
 
     def allows(self, name: str) -> bool:
         return super().allows(name) and self.modes.allows(name)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slipstream.config._errors import ConfigError
 from slipstream.models import GPT, GPTConfig
 from slipstream.models.gpt import Attention
 from slipstream.quant import (
@@ -15,6 +16,7 @@ from slipstream.quant import (
     Int8Attention,
     QuantLinear,
     W8A8Int,
+    calibrate,
     int8_attention,
     int8_bmm,
     load_quantized,
@@ -113,3 +115,66 @@ def test_gpt_all_int8_save_load_roundtrip(tmp_path) -> None:
     loaded = load_quantized(_gpt(), tmp_path / "q.safetensors")
     assert isinstance(loaded.layers[0].attn, Int8Attention)
     assert torch.equal(loaded(ids), out)
+
+
+def _static_gpt() -> GPT:
+    model = _gpt()
+    quantize_(model, W8A8Int(skip=("*",), attn_scales="static"))  # isolate the core
+    return model
+
+
+def _calib_batches() -> list[torch.Tensor]:
+    return [torch.randint(0, 64, (2, 16), generator=_gen(10 + i)) for i in range(4)]
+
+
+def test_static_attention_core_matches_emulation() -> None:
+    """With given per-head Q/K and per-feature V scales the core equals the int64-emulated
+    static chain bit for bit."""
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=_gen(20 + i)) for i in range(3))
+    s_q, s_k = (
+        q.abs().amax((0, 2, 3)).reshape(3, 1, 1) / 127,
+        k.abs().amax((0, 2, 3)).reshape(3, 1, 1) / 127,
+    )
+    s_v = v.abs().amax((0, 2)).unsqueeze(1) / 127
+    out = int8_attention(q, k, v, q_scale=s_q, k_scale=s_k, v_scale=s_v)
+    q_q, k_q, v_q = (torch.round(x / s).clamp(-127, 127) for x, s in ((q, s_q), (k, s_k), (v, s_v)))
+    sc = (q_q.long() @ k_q.long().transpose(-1, -2)).float() * (s_q * s_k) / math.sqrt(8)
+    sc = sc.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), -math.inf)
+    ref = (quantize_softmax(torch.softmax(sc, -1)).long() @ v_q.long()).float() * (s_v / 127)
+    assert torch.equal(out, ref)
+
+
+def test_static_attention_scales_reproduce_dynamic() -> None:
+    """Calibrated static scales on the calibration batches give logits within 1% (relative
+    Frobenius) of the dynamic-scale core; calibration records one range per head / feature."""
+    batches = _calib_batches()
+    static, dynamic = _static_gpt(), _gpt()
+    quantize_(dynamic, W8A8Int(skip=("*",)))
+    assert calibrate(static, batches) == 4
+    attn = static.layers[0].attn
+    assert attn.attn_q_absmax.shape == (4,) and attn.attn_k_absmax.shape == (2,)
+    assert attn.attn_v_absmax.shape == (2, 16) and bool((attn.attn_v_absmax > 0).all())
+    for ids in batches:
+        out, ref = static(ids), dynamic(ids)
+        assert (out - ref).norm() / ref.norm() < 0.01
+
+
+def test_static_attention_scales_state_roundtrip(tmp_path) -> None:
+    """Static attention ranges are buffers: save/load restores them and identical logits."""
+    model, ids = _static_gpt(), _ids()
+    calibrate(model, _calib_batches())
+    out = model(ids)
+    save_quantized(model, tmp_path / "q.safetensors")
+    loaded = load_quantized(_gpt(), tmp_path / "q.safetensors")
+    assert loaded.layers[0].attn.scales == "static"
+    assert torch.equal(loaded.layers[0].attn.attn_v_absmax, model.layers[0].attn.attn_v_absmax)
+    assert torch.equal(loaded(ids), out)
+
+
+def test_static_attention_scales_need_calibration() -> None:
+    """Static attention scales without calibrate() raise, naming the option and the fix; an
+    unknown attn_scales value is refused at config construction."""
+    with pytest.raises(RuntimeError, match=r"attn_scales='static'.*calibrate\(model, batches\)"):
+        _static_gpt()(_ids())
+    with pytest.raises(ConfigError, match=r"W8A8Int\.attn_scales='per-row' is invalid"):
+        W8A8Int(attn_scales="per-row")  # type: ignore[arg-type]
