@@ -63,8 +63,10 @@ ConfigFactory = Callable[[str, int], QuantConfig | None]
 EVAL_CONFIGS: dict[str, ConfigFactory] = {
     "fp32": lambda b, g: None,
     "w8a8-int": lambda b, g: W8A8Int(backend=b),  # type: ignore[arg-type]
+    "w8a8-int-lorc8": lambda b, g: W8A8Int(backend=b, lorc_rank=8),  # type: ignore[arg-type]
     "w8a8-int-attn-float": lambda b, g: W8A8Int(backend=b, modes=HeroModes(attn_core=False)),  # type: ignore[arg-type]
     "w8a8-fp8": lambda b, g: W8A8FP8(),
+    "w8a8-fp8-lorc8": lambda b, g: W8A8FP8(lorc_rank=8),
     "w8a8-fp8-e5m2": lambda b, g: W8A8FP8(act_format="e5m2"),
     "w4a8-int4": lambda b, g: W4A8Int4(backend=b, group_size=g),  # type: ignore[arg-type]
     "w4a8-int4-lorc8": lambda b, g: W4A8Int4(backend=b, group_size=g, lorc_rank=8),  # type: ignore[arg-type]
