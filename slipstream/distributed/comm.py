@@ -40,10 +40,15 @@ __all__ = [
     "get_world_size",
     "global_rank",
     "init_distributed",
+    "irecv",
     "is_initialized",
+    "isend",
     "log_summary",
+    "new_group",
+    "recv",
     "reduce_scatter_tensor",
     "register_axis",
+    "send",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -505,6 +510,54 @@ def broadcast(
     """Broadcast from global rank ``src``; message bytes = tensor bytes."""
     comm_counters.record("broadcast", group, _nbytes(tensor), label)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def isend(
+    tensor: torch.Tensor, dst: int, group: Group = None, label: str | None = None
+) -> dist.Work:
+    """Start sending ``tensor`` to global rank ``dst``; keep ``tensor`` alive until ``wait()``.
+
+    Point-to-point messages between two ranks are matched in posting order (tags are not
+    used: NCCL ignores them). Message bytes = tensor bytes, counted as ``send``.
+    """
+    comm_counters.record("send", group, _nbytes(tensor), label)
+    work = dist.isend(tensor, dst, group=group)
+    assert work is not None
+    return work
+
+
+def irecv(
+    tensor: torch.Tensor, src: int, group: Group = None, label: str | None = None
+) -> dist.Work:
+    """Start receiving into ``tensor`` from global rank ``src``; counted as ``recv``."""
+    comm_counters.record("recv", group, _nbytes(tensor), label)
+    work = dist.irecv(tensor, src, group=group)
+    assert work is not None
+    return work
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group = None, label: str | None = None) -> None:
+    """Blocking :func:`isend`."""
+    isend(tensor, dst, group, label).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group = None, label: str | None = None) -> None:
+    """Blocking :func:`irecv`."""
+    irecv(tensor, src, group, label).wait()
+
+
+def new_group(ranks: list[int], axis: str | None = None) -> Group:
+    """A process group over global ``ranks``, labelled ``axis`` in the byte counters.
+
+    A collective call: every rank of the world must make it, with the same ``ranks``, in the
+    same order (even ranks that are not members).
+    """
+    if not is_initialized():
+        return None
+    group = dist.new_group(ranks)
+    if axis is not None and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        register_axis(group, axis)
+    return group
 
 
 def barrier(group: Group = None) -> None:

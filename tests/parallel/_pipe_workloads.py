@@ -1,0 +1,117 @@
+"""Rank bodies and single-process references for the pipeline-parallel tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import slipstream
+from slipstream.models import GPT, GPTConfig
+from slipstream.parallel.pipeline.gpt import (
+    gpt_loss,
+    gpt_parameter_name,
+    gpt_pipeline_layers,
+    load_gpt_weights_,
+)
+from slipstream.pipe import PipelineModule
+
+VOCAB, SEQ, MICRO, STEPS, LAYERS = 64, 16, 2, 5, 6
+LR = 0.1
+# SGD with momentum, not Adam: Adam's invariance to gradient scale would hide a wrong sum of
+# tied gradients or a wrong 1/micro-batches factor.
+
+
+def gpt_config(tie: bool = False) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=SEQ,
+        tie_embeddings=tie,
+    )
+
+
+def reference_model(tie: bool = False) -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config(tie))
+
+
+def global_batches(batch: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def reference_run(micro_batches: int, dp: int, tie: bool = False) -> dict[str, Any]:
+    """Plain single-process training on the same global batches."""
+    model = reference_model(tie)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for x, y in global_batches(MICRO * micro_batches * dp):
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.state_dict().items()},
+    }
+
+
+def micro_iter(micro_batches: int, dp: int, dp_rank: int) -> Any:
+    """This data-parallel rank's micro-batches of every step, in order."""
+    for x, y in global_batches(MICRO * micro_batches * dp):
+        for i in range(micro_batches):
+            lo = (i * dp + dp_rank) * MICRO
+            yield x[lo : lo + MICRO], y[lo : lo + MICRO]
+
+
+def pipeline_run(
+    pp: int,
+    schedule: str,
+    micro_batches: int,
+    virtual: int = 1,
+    stage: int = 1,
+    tie: bool = False,
+    ckpt: int = 0,
+    steps: int = STEPS,
+) -> dict[str, Any]:
+    """Train the pipeline GPT through slipstream.initialize; this stage's GPT-named params."""
+    module = PipelineModule(
+        gpt_pipeline_layers(gpt_config(tie)),
+        num_stages=pp,
+        loss_fn=gpt_loss,
+        virtual_stages=virtual,
+        activation_checkpoint_interval=ckpt,
+    )
+    load_gpt_weights_(module, reference_model(tie).state_dict(), LAYERS)
+    dp = dist.get_world_size() // pp
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": micro_batches,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage},
+        "pipeline": {"schedule": schedule, "virtual_stages": virtual},
+    }
+    engine, *_ = slipstream.initialize(model=module, config=config)
+    it = micro_iter(micro_batches, dp, dist.get_rank() % dp)
+    losses = [engine.train_batch(it).item() for _ in range(steps)]
+    params = {
+        gpt_parameter_name(n, LAYERS): p.detach().clone() for n, p in module.named_parameters()
+    }
+    stats = engine.activation_stats
+    engine.destroy()
+    return {
+        "losses": losses,
+        "params": params,
+        "peak_in_flight": stats.peak_in_flight,
+        "peak_bytes": stats.peak_bytes,
+    }

@@ -1,0 +1,125 @@
+"""Pipeline parallelism trains exactly like one process: GPipe, 1F1B and interleaved 1F1B at
+PP=2 and PP=4, PP2 x DP2 with ZeRO-1/2, tied embeddings, activation checkpointing; plus
+activation memory per schedule and the ZeRO-3 error. Two process spawns in all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from slipstream.config import ConfigError
+from tests.distributed.harness import run_world
+from tests.parallel import _pipe_workloads as w
+
+WORLD2 = {
+    "gpipe_m2": dict(pp=2, schedule="gpipe", micro_batches=2),
+    "gpipe_m4": dict(pp=2, schedule="gpipe", micro_batches=4),
+    "1f1b_m3": dict(pp=2, schedule="1f1b", micro_batches=3),
+    "1f1b_m6": dict(pp=2, schedule="1f1b", micro_batches=6),
+    "interleaved_m2": dict(pp=2, schedule="interleaved", micro_batches=2, virtual=2),
+    "interleaved_m4": dict(pp=2, schedule="interleaved", micro_batches=4, virtual=2),
+    "tied_1f1b_m4": dict(pp=2, schedule="1f1b", micro_batches=4, tie=True),
+    "ckpt_1f1b_m4": dict(pp=2, schedule="1f1b", micro_batches=4, ckpt=2),
+}
+WORLD4 = {
+    "pp4_gpipe_m4": dict(pp=4, schedule="gpipe", micro_batches=4),
+    "pp4_1f1b_m6": dict(pp=4, schedule="1f1b", micro_batches=6),
+    "pp4_interleaved_m4": dict(pp=4, schedule="interleaved", micro_batches=4, virtual=2),
+    "pp4_interleaved_m8_tied": dict(
+        pp=4, schedule="interleaved", micro_batches=8, virtual=2, tie=True
+    ),
+    "pp2dp2_zero1_m2": dict(pp=2, schedule="1f1b", micro_batches=2, stage=1),
+    "pp2dp2_zero2_m4": dict(pp=2, schedule="1f1b", micro_batches=4, stage=2),
+    "pp2dp2_zero2_tied_m4": dict(pp=2, schedule="1f1b", micro_batches=4, stage=2, tie=True),
+    "pp2dp2_zero1_tied_interleaved": dict(
+        pp=2, schedule="interleaved", micro_batches=2, virtual=2, stage=1, tie=True
+    ),
+}
+MEMORY_M = 8
+
+
+def _world_body(runs: dict[str, dict[str, Any]], memory: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {name: w.pipeline_run(**kw) for name, kw in runs.items()}
+    if memory:
+        for kind in ("gpipe", "1f1b"):
+            out[f"mem_{kind}"] = w.pipeline_run(2, kind, MEMORY_M, steps=1)
+    else:
+        try:
+            w.pipeline_run(2, "1f1b", 2, stage=3, steps=1)
+            out["zero3"] = None
+        except ConfigError as e:
+            out["zero3"] = str(e)
+    return out
+
+
+def body2() -> dict[str, Any]:
+    return _world_body(WORLD2, memory=True)
+
+
+def body4() -> dict[str, Any]:
+    return _world_body(WORLD4, memory=False)
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict[str, Any]]:
+    return run_world(body2, 2)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict[str, Any]]:
+    return run_world(body4, 4)
+
+
+def _check_parity(results: list[dict[str, Any]], name: str, kw: dict[str, Any]) -> None:
+    pp = kw["pp"]
+    dp = len(results) // pp
+    ref = w.reference_run(kw["micro_batches"], dp, kw.get("tie", False))
+    seen: set[str] = set()
+    for rank, res in enumerate(results):
+        got = res[name]
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]),
+            torch.tensor(ref["losses"]),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m, r=rank: f"{name} rank {r}: losses differ: {m}",
+        )
+        for n, p in got["params"].items():
+            torch.testing.assert_close(
+                p, ref["params"][n], rtol=1e-4, atol=2e-6, msg=lambda m, n=n: f"{name} {n}: {m}"
+            )
+            seen.add(n)
+    missing = set(ref["params"]) - seen - ({"lm_head.weight"} if kw.get("tie") else set())
+    assert not missing, f"{name}: parameters held by no stage: {missing}"
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_pp2_matches_single_process(world2: list[dict[str, Any]], name: str) -> None:
+    """PP=2: losses (rtol 1e-5) and final parameters equal single-process training."""
+    _check_parity(world2, name, WORLD2[name])
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_pp4_and_pp2_dp2_match_single_process(world4: list[dict[str, Any]], name: str) -> None:
+    """PP=4 and PP2 x DP2 (ZeRO-1/2, tied embeddings): same losses and parameters."""
+    _check_parity(world4, name, WORLD4[name])
+
+
+def test_1f1b_holds_at_most_stages_micro_batches(world2: list[dict[str, Any]]) -> None:
+    """With m=8 >> p=2, GPipe keeps all 8 micro-batches' activations, 1F1B at most p - s;
+    the saved-tensor bytes shrink accordingly."""
+    for stage, res in enumerate(world2):
+        gpipe, ofob = res["mem_gpipe"], res["mem_1f1b"]
+        assert gpipe["peak_in_flight"] == MEMORY_M
+        assert ofob["peak_in_flight"] == 2 - stage
+        assert ofob["peak_bytes"] * MEMORY_M / (2 - stage) == pytest.approx(
+            gpipe["peak_bytes"], rel=0.05
+        )
+
+
+def test_zero3_is_rejected(world4: list[dict[str, Any]]) -> None:
+    """ZeRO-3 with a pipeline fails at initialize with a ConfigError saying what to use."""
+    msg = world4[0]["zero3"]
+    assert msg is not None and "ZeRO stage 3 is not supported" in msg and "1 or 2" in msg
