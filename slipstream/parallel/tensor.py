@@ -52,6 +52,7 @@ __all__ = [
     "RowParallelLinear",
     "TPPlan",
     "VocabParallelEmbedding",
+    "add_block_plan",
     "auto_tp_plan",
     "copy_to_tp",
     "gather_from_tp",
@@ -515,27 +516,7 @@ def auto_tp_plan(model: nn.Module) -> TPPlan:
     prefix, layers = blocks
     plan = TPPlan()
     for i, layer in enumerate(layers):
-        by_parent: dict[str, list[tuple[str, nn.Module]]] = {}
-        for name, module in layer.named_modules():
-            if _is_linear(module):
-                parent = name.rsplit(".", 1)[0] if "." in name else ""
-                by_parent.setdefault(parent, []).append((name, module))
-        for parent, linears in by_parent.items():
-            if len(linears) < 2:
-                continue  # a lone linear (e.g. a router) stays replicated
-            base = f"{prefix}.{i}"
-            row_name, row = linears[-1]
-            plan.styles[f"{base}.{row_name}"] = "rowwise"
-            cols = linears[:-1]
-            for name, module in cols:
-                plan.styles[f"{base}.{name}"] = "colwise"
-                ratio, rem = divmod(_out_features(module), _in_features(row))
-                if len(cols) == 1 and ratio > 1 and rem == 0:
-                    plan.fused[f"{base}.{name}"] = ratio
-            owner = layer.get_submodule(parent) if parent else layer
-            attrs = [a for a in _HEAD_ATTRS if isinstance(getattr(owner, a, None), int)]
-            if attrs:
-                plan.head_attrs[f"{base}.{parent}" if parent else base] = attrs
+        add_block_plan(plan, layer, f"{prefix}.{i}")
     names = {m: n for n, m in model.named_modules()}
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
@@ -546,6 +527,38 @@ def auto_tp_plan(model: nn.Module) -> TPPlan:
     if head is not None and _is_linear(head) and head in names:
         plan.styles[names[head]] = "colwise_gather"
     return plan
+
+
+def add_block_plan(plan: TPPlan, block: nn.Module, base: str) -> None:
+    """Add the automatic split of one transformer block (module name ``base``) to ``plan``.
+
+    Linear layers are grouped by parent module (attention, MLP): the last one registered
+    writes back to the residual stream and is row-parallel, the others column-parallel. A
+    column layer whose output is k times the row layer's input is k fused blocks (q|k|v). A
+    lone linear (e.g. a router) stays replicated. Attributes holding head counts are noted
+    for division by the TP size.
+    """
+    by_parent: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, module in block.named_modules():
+        if _is_linear(module):
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            by_parent.setdefault(parent, []).append((name, module))
+    prefix = f"{base}." if base else ""
+    for parent, linears in by_parent.items():
+        if len(linears) < 2:
+            continue
+        row_name, row = linears[-1]
+        plan.styles[prefix + row_name] = "rowwise"
+        cols = linears[:-1]
+        for name, module in cols:
+            plan.styles[prefix + name] = "colwise"
+            ratio, rem = divmod(_out_features(module), _in_features(row))
+            if len(cols) == 1 and ratio > 1 and rem == 0:
+                plan.fused[prefix + name] = ratio
+        owner = block.get_submodule(parent) if parent else block
+        attrs = [a for a in _HEAD_ATTRS if isinstance(getattr(owner, a, None), int)]
+        if attrs:
+            plan.head_attrs[prefix + parent if parent else base] = attrs
 
 
 def _largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -587,8 +600,10 @@ def _sharded_region_hooks(model: nn.Module, plan: TPPlan) -> None:
 
         return hook
 
+    # A region ends at a row layer: column layers without one beside them (LM heads) open none.
+    closed = {parent_of(n) for n, style in plan.styles.items() if style == "rowwise"}
     for name, style in plan.styles.items():
-        if style == "colwise" and name != "lm_head":
+        if style == "colwise" and parent_of(name) in closed:
             model.get_submodule(name).register_forward_hook(enter(parent_of(name)))
         elif style == "rowwise":
             model.get_submodule(name).register_forward_pre_hook(leave(parent_of(name)))
@@ -625,7 +640,8 @@ def parallelize_tp_(
         model: a model on its device (not yet sharded by ZeRO; no meta parameters).
         tp_group: the tensor-parallel process group (``mesh.get_group("tp")``).
         plan: which module gets which split; default: :func:`gpt_tp_plan` for
-            ``slipstream.models.GPT``, else :func:`auto_tp_plan`.
+            ``slipstream.models.GPT``, the model's own ``tp_plan()`` if it has one (a
+            ``PipelineModule``), else :func:`auto_tp_plan`.
         sequence_parallel: split the residual stream along the sequence between layers
             (reference GPT only; the sequence length must be a multiple of the TP size).
 
@@ -643,8 +659,14 @@ def parallelize_tp_(
             "over the data-parallel ranks after the TP split"
         )
     is_gpt = type(model).__name__ == "GPT" and hasattr(model, "set_tensor_parallel_group")
-    if plan is None:
-        plan = gpt_tp_plan(model, sequence_parallel) if is_gpt else auto_tp_plan(model)
+    own_plan = getattr(model, "tp_plan", None)
+    if plan is None and is_gpt:
+        plan = gpt_tp_plan(model, sequence_parallel)
+    elif plan is None and callable(own_plan):  # e.g. a PipelineModule: its stage's layers
+        plan = own_plan()
+    elif plan is None:
+        plan = auto_tp_plan(model)
+    assert plan is not None
     if sequence_parallel and not plan.vocab_parallel_loss:
         raise ConfigError(
             "tensor_parallel.sequence_parallel needs a plan with sequence-parallel norms (the "

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
+from slipstream.distributed.mesh import dp_group
 from slipstream.models import GPT, GPTConfig
 from slipstream.parallel.pipeline.gpt import (
     gpt_loss,
@@ -15,6 +16,7 @@ from slipstream.parallel.pipeline.gpt import (
     gpt_pipeline_layers,
     load_gpt_weights_,
 )
+from slipstream.parallel.tensor import is_tp_sharded, unshard_tp
 from slipstream.pipe import PipelineModule
 
 VOCAB, SEQ, MICRO, STEPS, LAYERS = 64, 16, 2, 5, 6
@@ -83,6 +85,7 @@ def pipeline_run(
     tie: bool = False,
     ckpt: int = 0,
     steps: int = STEPS,
+    tp: int = 1,
 ) -> dict[str, Any]:
     """Train the pipeline GPT through slipstream.initialize; this stage's GPT-named params."""
     module = PipelineModule(
@@ -93,25 +96,33 @@ def pipeline_run(
         activation_checkpoint_interval=ckpt,
     )
     load_gpt_weights_(module, reference_model(tie).state_dict(), LAYERS)
-    dp = dist.get_world_size() // pp
+    dp = dist.get_world_size() // (pp * tp)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": micro_batches,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "zero_optimization": {"stage": stage},
         "pipeline": {"schedule": schedule, "virtual_stages": virtual},
+        "tensor_parallel": {"autotp_size": tp},
     }
     engine, *_ = slipstream.initialize(model=module, config=config)
-    it = micro_iter(micro_batches, dp, dist.get_rank() % dp)
+    dp_rank = dist.get_rank(dp_group(engine.mesh))
+    it = micro_iter(micro_batches, dp, dp_rank)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
+    tp_group = engine.mesh.get_group("tp")
     params = {
-        gpt_parameter_name(n, LAYERS): p.detach().clone() for n, p in module.named_parameters()
+        gpt_parameter_name(n, LAYERS): unshard_tp(p, tp_group).clone()
+        for n, p in module.named_parameters()
     }
+    sharded = [
+        gpt_parameter_name(n, LAYERS) for n, p in module.named_parameters() if is_tp_sharded(p)
+    ]
     stats = engine.activation_stats
     engine.destroy()
     return {
         "losses": losses,
         "params": params,
+        "tp_sharded": sharded,
         "peak_in_flight": stats.peak_in_flight,
         "peak_bytes": stats.peak_bytes,
     }

@@ -1,6 +1,7 @@
 """Pipeline parallelism trains exactly like one process: GPipe, 1F1B and interleaved 1F1B at
-PP=2 and PP=4, PP2 x DP2 with ZeRO-1/2, tied embeddings, activation checkpointing; plus
-activation memory per schedule and the ZeRO-3 error. Two process spawns in all."""
+PP=2 and PP=4, PP2 x DP2 with ZeRO-1/2, TP2 x PP2, TP2 x PP2 x DP2, tied embeddings,
+activation checkpointing; plus activation memory per schedule and the ZeRO-3 error. Three
+process spawns in all."""
 
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ WORLD4 = {
     "pp2dp2_zero1_tied_interleaved": dict(
         pp=2, schedule="interleaved", micro_batches=2, virtual=2, stage=1, tie=True
     ),
+    "tp2pp2_1f1b_m4": dict(pp=2, tp=2, schedule="1f1b", micro_batches=4),
+    "tp2pp2_tied_interleaved_m2": dict(
+        pp=2, tp=2, schedule="interleaved", micro_batches=2, virtual=2, tie=True
+    ),
+}
+WORLD8 = {
+    "tp2pp2dp2_zero1_1f1b": dict(pp=2, tp=2, schedule="1f1b", micro_batches=2, stage=1),
+    "tp2pp2dp2_zero2_tied_gpipe": dict(
+        pp=2, tp=2, schedule="gpipe", micro_batches=2, stage=2, tie=True
+    ),
 }
 MEMORY_M = 8
 
@@ -62,6 +73,10 @@ def body4() -> dict[str, Any]:
     return _world_body(WORLD4, memory=False)
 
 
+def body8() -> dict[str, Any]:
+    return {name: w.pipeline_run(**kw) for name, kw in WORLD8.items()}
+
+
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, Any]]:
     return run_world(body2, 2)
@@ -72,9 +87,14 @@ def world4() -> list[dict[str, Any]]:
     return run_world(body4, 4)
 
 
+@pytest.fixture(scope="module")
+def world8() -> list[dict[str, Any]]:
+    return run_world(body8, 8)
+
+
 def _check_parity(results: list[dict[str, Any]], name: str, kw: dict[str, Any]) -> None:
-    pp = kw["pp"]
-    dp = len(results) // pp
+    pp, tp = kw["pp"], kw.get("tp", 1)
+    dp = len(results) // (pp * tp)
     ref = w.reference_run(kw["micro_batches"], dp, kw.get("tie", False))
     seen: set[str] = set()
     for rank, res in enumerate(results):
@@ -93,6 +113,12 @@ def _check_parity(results: list[dict[str, Any]], name: str, kw: dict[str, Any]) 
             seen.add(n)
     missing = set(ref["params"]) - seen - ({"lm_head.weight"} if kw.get("tie") else set())
     assert not missing, f"{name}: parameters held by no stage: {missing}"
+    if tp > 1:  # really split: every projection, the embedding and the head (vocab-parallel)
+        sharded = set().union(*(set(res[name]["tp_sharded"]) for res in results))
+        want = {n for n in ref["params"] if n.endswith("proj.weight")} | {"embed_tokens.weight"}
+        if not kw.get("tie"):
+            want.add("lm_head.weight")
+        assert want <= sharded, f"{name}: not tensor-parallel: {sorted(want - sharded)}"
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -105,6 +131,12 @@ def test_pp2_matches_single_process(world2: list[dict[str, Any]], name: str) -> 
 def test_pp4_and_pp2_dp2_match_single_process(world4: list[dict[str, Any]], name: str) -> None:
     """PP=4 and PP2 x DP2 (ZeRO-1/2, tied embeddings): same losses and parameters."""
     _check_parity(world4, name, WORLD4[name])
+
+
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_tp2_pp2_dp2_matches_single_process(world8: list[dict[str, Any]], name: str) -> None:
+    """TP2 x PP2 x DP2 (8 processes) with ZeRO-1 and ZeRO-2: same losses and parameters."""
+    _check_parity(world8, name, WORLD8[name])
 
 
 def test_1f1b_holds_at_most_stages_micro_batches(world2: list[dict[str, Any]]) -> None:

@@ -391,10 +391,10 @@ class _Run:
         if k == self.last_chunk:
             labels = self.data[ins.micro_batch][1]
             if not self.train:
-                self.outputs.append(out)
+                self.outputs.append(self.module.full_outputs(out))
             loss_fn = self.module.loss_fn
             if loss_fn is not None and (self.train or self.compute_loss):
-                out = loss_fn(out, labels)
+                out = self.module.compute_loss(out, labels)
             if self.train or (self.compute_loss and loss_fn is not None):
                 if not isinstance(out, torch.Tensor) or out.dim() != 0:
                     raise PipelineError(

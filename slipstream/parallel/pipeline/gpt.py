@@ -16,8 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.distributed import comm
 from slipstream.models.gpt import Block, GPTConfig, RMSNorm
 from slipstream.parallel.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from slipstream.parallel.tensor import (
+    VocabParallelEmbedding,
+    copy_to_tp,
+    vocab_parallel_cross_entropy,
+)
 
 __all__ = [
     "GPTBlockLayer",
@@ -38,6 +44,10 @@ class GPTEmbeddingLayer(nn.Embedding):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def tp_styles(self, vocab_parallel_loss: bool) -> dict[str, str]:
+        """Tensor parallel: rows (token ids) split over the TP ranks."""
+        return {"": "vocab_embed"}
 
 
 class GPTBlockLayer(Block):
@@ -66,6 +76,13 @@ class GPTBlockLayer(Block):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
 
+    def tp_styles(self, vocab_parallel_loss: bool) -> dict[str, str]:
+        """Tensor parallel: Megatron's split, as ``gpt_tp_plan`` does for the ``GPT``."""
+        styles = {f"attn.{n}": "colwise" for n in ("q_proj", "k_proj", "v_proj")}
+        styles.update({"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"})
+        styles.update({"attn.o_proj": "rowwise", "mlp.down_proj": "rowwise"})
+        return styles
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         t = x.shape[1]
         cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
@@ -86,25 +103,45 @@ class GPTHeadLayer(nn.Linear):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
+    def tp_styles(self, vocab_parallel_loss: bool) -> dict[str, str]:
+        """Tensor parallel: split by vocabulary rows; logits stay sharded for a
+        vocabulary-parallel loss, else they are gathered."""
+        return {"": "colwise" if vocab_parallel_loss else "colwise_gather"}
+
 
 def tied_lm_head(embedding: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Logits through the (tied) embedding matrix: ``x @ E^T``."""
+    """Logits through the (tied) embedding matrix: ``x @ E^T``; under tensor parallelism
+    (a ``VocabParallelEmbedding``) this rank's vocabulary slice of them."""
     weight = embedding.weight
     assert isinstance(weight, torch.Tensor)
+    if isinstance(embedding, VocabParallelEmbedding):
+        x = copy_to_tp(x, embedding.group)
     return F.linear(x, weight)
 
 
-def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (the ``GPT`` loss; -100 is ignored)."""
+def gpt_loss(
+    logits: torch.Tensor, labels: torch.Tensor, tp_group: comm.Group = None
+) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 (the ``GPT`` loss; -100 is ignored).
+
+    With ``tp_group`` the logits are this rank's vocabulary slice and the loss is computed
+    without gathering them (:func:`vocab_parallel_cross_entropy`).
+    """
+    if tp_group is not None:
+        return vocab_parallel_cross_entropy(logits.float(), labels, tp_group)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )
 
 
+gpt_loss.vocab_parallel = True  # type: ignore[attr-defined]  # takes tp_group= (PipelineModule)
+
+
 def gpt_pipeline_layers(config: GPTConfig) -> list[LayerSpec]:
     """``[embedding, blocks..., norm, head]`` for ``PipelineModule(layers=..., loss_fn=gpt_loss)``.
 
-    Dropout and sequence/tensor parallelism of the ``GPT`` are not carried over.
+    Tensor parallelism splits these layers like the ``GPT`` (``tp_styles``); dropout and
+    sequence parallelism of the ``GPT`` are not carried over.
     """
     if config.tie_embeddings:
         first: LayerSpec = TiedLayerSpec("embed", GPTEmbeddingLayer, config)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from slipstream import checkpointing
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.parallel.tensor import TPPlan, add_block_plan
 
 __all__ = ["LayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec", "partition_balanced"]
 
@@ -193,6 +193,7 @@ class PipelineModule(nn.Module):
                 "PipelineModule activation_checkpoint_interval="
                 f"{activation_checkpoint_interval} must be >= 0 (0 disables recompute)"
             )
+        self.tp_group: comm.Group = None  # set by parallelize_tp_ for a vocabulary-parallel loss
         self.layer_list = list(layers)
         self.num_stages = num_stages
         self.virtual_stages = virtual_stages
@@ -270,19 +271,15 @@ class PipelineModule(nn.Module):
         layer = self.layer_list[idx]
         if seed_layers and isinstance(layer, LayerSpec):
             torch.manual_seed(base_seed + idx)
+        # Modules are looked up at call time: tensor parallelism may replace them later.
         if isinstance(layer, TiedLayerSpec):
             if layer.key not in self.tied_modules:
                 self.tied_modules[layer.key] = layer.build()
                 self._tied_specs[layer.key] = layer
-            module = self.tied_modules[layer.key]
-            return module if layer.forward_fn is None else partial(layer.forward_fn, module)
-        if isinstance(layer, LayerSpec):
-            module = layer.build()
-            self.add_module(str(idx), module)
-            return module
-        if isinstance(layer, nn.Module):
-            self.add_module(str(idx), layer)
-            return layer
+            return _Layer(self.tied_modules, layer.key, layer.forward_fn)
+        if isinstance(layer, (LayerSpec, nn.Module)):
+            self.add_module(str(idx), layer.build() if isinstance(layer, LayerSpec) else layer)
+            return _Layer(self._modules, str(idx))
         if callable(layer):
             return layer  # type: ignore[no-any-return]
         raise TypeError(
@@ -329,6 +326,55 @@ class PipelineModule(nn.Module):
             out.append(p)
         return out
 
+    # ------------------------------------------------------------------- tensor parallel
+    def tp_plan(self) -> TPPlan:
+        """The tensor-parallel split of this stage's layers (``parallelize_tp_`` asks).
+
+        A layer may say how it splits with ``tp_styles(vocab_parallel_loss) -> {name inside
+        the layer ("" for itself): style}``; other layers get the automatic per-block rule
+        (``add_block_plan``). The vocabulary-parallel loss is used when ``loss_fn`` has
+        ``vocab_parallel = True`` (it then takes ``tp_group=``); otherwise LM heads gather
+        their logits and tied layers stay whole.
+        """
+        vocab_parallel = bool(getattr(self.loss_fn, "vocab_parallel", False))
+        plan = TPPlan(vocab_parallel_loss=vocab_parallel)
+        held = [(n, m) for n, m in self.named_children() if n != "tied_modules"]
+        if vocab_parallel:
+            held += [(f"tied_modules.{k}", m) for k, m in self.tied_modules.items()]
+        for name, module in held:
+            styles = getattr(module, "tp_styles", None)
+            if not callable(styles):
+                add_block_plan(plan, module, name)
+                continue
+            for local, style in styles(vocab_parallel).items():
+                plan.styles[f"{name}.{local}" if local else name] = style
+        return plan
+
+    def set_tensor_parallel_group(self, tp_group: comm.Group, sequence_parallel: bool) -> None:
+        """Compute the loss from vocabulary-sharded logits over ``tp_group`` (called by
+        ``parallelize_tp_``)."""
+        if sequence_parallel:
+            raise ConfigError(
+                "tensor_parallel.sequence_parallel is not supported with a PipelineModule: set "
+                "it to false (pipeline stages exchange the full sequence)"
+            )
+        self.tp_group = tp_group
+
+    def compute_loss(self, outputs: Any, labels: Any) -> torch.Tensor:
+        """``loss_fn(outputs, labels)`` on the last stage (vocabulary-parallel under TP)."""
+        assert self.loss_fn is not None
+        if self.tp_group is not None:
+            return self.loss_fn(outputs, labels, tp_group=self.tp_group)  # type: ignore[call-arg]
+        return self.loss_fn(outputs, labels)
+
+    def full_outputs(self, outputs: Any) -> Any:
+        """The last stage's outputs with vocabulary-sharded logits gathered (evaluation)."""
+        if self.tp_group is None or not isinstance(outputs, torch.Tensor):
+            return outputs
+        from slipstream.parallel.tensor import gather_from_tp
+
+        return gather_from_tp(outputs, self.tp_group)
+
     # ------------------------------------------------------------------- forward
     def forward_chunk(self, chunk: int, inputs: Any) -> Any:
         """Run local ``chunk`` on ``inputs``; recompute runs of
@@ -348,6 +394,22 @@ class PipelineModule(nn.Module):
         for c in range(self.virtual_stages):
             inputs = self.forward_chunk(c, inputs)
         return inputs
+
+
+class _Layer:
+    """Calls the module registered under ``name`` in ``table`` (looked up at each call)."""
+
+    def __init__(
+        self,
+        table: Any,
+        name: str,
+        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+    ) -> None:
+        self.table, self.name, self.forward_fn = table, name, forward_fn
+
+    def __call__(self, x: Any) -> Any:
+        module = self.table[self.name]
+        return module(x) if self.forward_fn is None else self.forward_fn(module, x)
 
 
 def _run(fns: Sequence[Callable[[Any], Any]], x: Any) -> Any:
