@@ -52,6 +52,19 @@ class PipelineConfig(StrictModel):
     ``virtual_stages`` must match); 1 for the other schedules."""
     activation_checkpoint_interval: int = Field(0, ge=0)
     """Recompute every this many layers in backward (0: the module's own setting)."""
+    partition: str = "best"
+    """How layers are cut into stages: "best" (DeepSpeed's default) takes the
+    ``PipelineModule``'s ``partition_method``; any other value ("parameters", "uniform",
+    "type:<regex>") must equal it (the module is built, and split, before the config is
+    read)."""
+    seed_layers: bool = False
+    """true requires a ``PipelineModule(seed_layers=True)`` (each layer seeded with
+    ``base_seed + index``, so initialization does not depend on the partitioning)."""
+    pipe_partitioned: bool = True
+    """Under tensor parallelism, send 1/tp of each activation between stages per TP rank
+    and all-gather it on the receiving stage (tp times fewer bytes between stages)."""
+    grad_partitioned: bool = True
+    """The same for the gradients sent back between stages."""
 
 
 class ActivationCheckpointingConfig(StrictModel):

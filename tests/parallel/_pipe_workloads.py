@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
+from slipstream.distributed.comm import comm_counters
 from slipstream.distributed.mesh import dp_group
 from slipstream.models import GPT, GPTConfig
 from slipstream.parallel.pipeline.gpt import (
@@ -86,6 +87,7 @@ def pipeline_run(
     ckpt: int = 0,
     steps: int = STEPS,
     tp: int = 1,
+    partitioned: bool = True,
 ) -> dict[str, Any]:
     """Train the pipeline GPT through slipstream.initialize; this stage's GPT-named params."""
     module = PipelineModule(
@@ -102,13 +104,20 @@ def pipeline_run(
         "gradient_accumulation_steps": micro_batches,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "zero_optimization": {"stage": stage},
-        "pipeline": {"schedule": schedule, "virtual_stages": virtual},
+        "pipeline": {
+            "schedule": schedule,
+            "virtual_stages": virtual,
+            "pipe_partitioned": partitioned,
+            "grad_partitioned": partitioned,
+        },
         "tensor_parallel": {"autotp_size": tp},
     }
     engine, *_ = slipstream.initialize(model=module, config=config)
     dp_rank = dist.get_rank(dp_group(engine.mesh))
     it = micro_iter(micro_batches, dp, dp_rank)
+    comm_counters.stats.clear()
     losses = [engine.train_batch(it).item() for _ in range(steps)]
+    pp_send_bytes = comm_counters.stats[("pp", "send")].bytes
     tp_group = engine.mesh.get_group("tp")
     params = {
         gpt_parameter_name(n, LAYERS): unshard_tp(p, tp_group).clone()
@@ -123,6 +132,7 @@ def pipeline_run(
         "losses": losses,
         "params": params,
         "tp_sharded": sharded,
+        "pp_send_bytes": pp_send_bytes,
         "peak_in_flight": stats.peak_in_flight,
         "peak_bytes": stats.peak_bytes,
     }

@@ -38,6 +38,9 @@ WORLD4 = {
         pp=2, schedule="interleaved", micro_batches=2, virtual=2, stage=1, tie=True
     ),
     "tp2pp2_1f1b_m4": dict(pp=2, tp=2, schedule="1f1b", micro_batches=4),
+    "tp2pp2_1f1b_m4_unpartitioned": dict(
+        pp=2, tp=2, schedule="1f1b", micro_batches=4, partitioned=False
+    ),
     "tp2pp2_tied_interleaved_m2": dict(
         pp=2, tp=2, schedule="interleaved", micro_batches=2, virtual=2, tie=True
     ),
@@ -131,6 +134,17 @@ def test_pp2_matches_single_process(world2: list[dict[str, Any]], name: str) -> 
 def test_pp4_and_pp2_dp2_match_single_process(world4: list[dict[str, Any]], name: str) -> None:
     """PP=4 and PP2 x DP2 (ZeRO-1/2, tied embeddings): same losses and parameters."""
     _check_parity(world4, name, WORLD4[name])
+
+
+def test_partitioned_transfers_send_half(world4: list[dict[str, Any]]) -> None:
+    """pipe_partitioned/grad_partitioned (default on) under TP=2: each rank sends half of
+    each activation and gradient between stages (headers aside), same results."""
+    for res in world4:
+        part = res["tp2pp2_1f1b_m4"]["pp_send_bytes"]
+        whole = res["tp2pp2_1f1b_m4_unpartitioned"]["pp_send_bytes"]
+        headers = w.STEPS * 4 * 512  # steps x micro-batches x a 64-int64 header
+        assert whole > headers and part - headers == pytest.approx((whole - headers) / 2)
+        assert res["tp2pp2_1f1b_m4"]["losses"] == res["tp2pp2_1f1b_m4_unpartitioned"]["losses"]
 
 
 @pytest.mark.parametrize("name", list(WORLD8))

@@ -35,13 +35,47 @@ Key = tuple[str, int, int]  # (kind, micro_batch, model chunk of the sender)
 
 
 class StageChannel:
-    """Messages between this rank and the other stages of its pipeline group."""
+    """Messages between this rank and the other stages of its pipeline group.
 
-    def __init__(self, pp_group: comm.Group, device: torch.device) -> None:
+    With tensor parallelism, activations and gradients between stages are the same on every
+    TP rank; ``partitioned`` kinds ("act", "grad": DeepSpeed's ``pipe_partitioned`` and
+    ``grad_partitioned``) then travel as 1/tp per rank (rank r sends slice r of the
+    flattened tensor to its peer) and the receiving TP group all-gathers them: tp times fewer
+    bytes between stages for one intra-stage all-gather.
+    """
+
+    def __init__(
+        self,
+        pp_group: comm.Group,
+        device: torch.device,
+        tp_group: comm.Group = None,
+        partitioned: tuple[str, ...] = (),
+    ) -> None:
         self.group = pp_group
         self.device = device
+        self.tp_group = tp_group
+        self.tp_size = comm.get_world_size(tp_group) if tp_group is not None else 1
+        self.partitioned = set(partitioned) if self.tp_size > 1 else set()
         self._sends: list[tuple[Any, list[torch.Tensor]]] = []
         self._parked: dict[tuple[int, Key], tuple[list[torch.Tensor], list[bool]]] = {}
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This TP rank's part of flattened ``t`` (zero-padded to a multiple of tp)."""
+        flat = t.reshape(-1)
+        per = -(-flat.numel() // self.tp_size)
+        rank = comm.get_rank(self.tp_group)
+        part = flat[rank * per : (rank + 1) * per]
+        if part.numel() < per:
+            part = torch.cat([part, part.new_zeros(per - part.numel())])
+        return part
+
+    def _gather(self, part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        full = torch.empty(part.numel() * self.tp_size, dtype=part.dtype, device=part.device)
+        comm.all_gather_into_tensor(full, part, group=self.tp_group, label="pipe_partitioned")
+        numel = 1
+        for d in shape:
+            numel *= d
+        return full[:numel].view(shape)
 
     def _rank(self, stage: int) -> int:
         return comm.global_rank(self.group, stage)
@@ -69,6 +103,8 @@ class StageChannel:
         dst = self._rank(stage)
         label = f"pipe_{key[0]}"
         payload = [head] + [t.detach().contiguous() for t in tensors]
+        if key[0] in self.partitioned:
+            payload = [head] + [self._slice(t) for t in payload[1:]]
         works = [comm.isend(t, dst, self.group, label) for t in payload]
         self._sends.append((works, payload))
 
@@ -92,10 +128,15 @@ class StageChannel:
             shapes.append((dtype, flag, tuple(h[pos + 3 : pos + 3 + ndim])))
             pos += 3 + ndim
         tensors = []
+        split = kind in self.partitioned
         for dtype, _, shape in shapes:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
+            numel = 1
+            for d in shape:
+                numel *= d
+            size = (-(-numel // self.tp_size),) if split else shape
+            t = torch.empty(size, dtype=dtype, device=self.device)
             comm.recv(t, src, self.group, f"pipe_{kind}")
-            tensors.append(t)
+            tensors.append(self._gather(t, shape) if split else t)
         return key, tensors, [f for _, f, _ in shapes]
 
     def flush(self) -> None:

@@ -98,7 +98,11 @@ class PipelineEngine(Engine):
         self.schedule_kind = config.pipeline.schedule
         self.micro_batches = self.gradient_accumulation_steps()
         self.schedule()  # fail at initialize, not at the first batch (e.g. interleaving sizes)
-        self.channel = StageChannel(self.pp_group, device)
+        tp_group = mesh.get_group("tp")
+        pipe = config.pipeline
+        flags = (("act", pipe.pipe_partitioned), ("grad", pipe.grad_partitioned))
+        partitioned = tuple(kind for kind, on in flags if on)
+        self.channel = StageChannel(self.pp_group, device, tp_group, partitioned)
         self.activation_stats = ActivationStats()
         self._allowed = False
         self._data_iter: Iterator[Any] | None = None
@@ -429,6 +433,18 @@ def _check_config(module: PipelineModule, config: SlipstreamConfig) -> None:
             "(each stage already holds only its own layers)"
         )
     pipe = config.pipeline
+    if pipe.partition not in ("best", module.partition_method):
+        raise ConfigError(
+            f"config key 'pipeline.partition' = {pipe.partition!r}, but the PipelineModule was "
+            f"built with partition_method={module.partition_method!r}: make them equal or "
+            "use 'best' (the module's)"
+        )
+    if pipe.seed_layers and not module.seed_layers:
+        raise ConfigError(
+            "config key 'pipeline.seed_layers' = true, but the PipelineModule was built with "
+            "seed_layers=False (its layers are already initialized): pass "
+            "PipelineModule(..., seed_layers=True) or set the key to false"
+        )
     if pipe.virtual_stages != module.virtual_stages:
         raise ConfigError(
             f"config key 'pipeline.virtual_stages' = {pipe.virtual_stages}, but the "

@@ -200,6 +200,7 @@ class PipelineModule(nn.Module):
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.partition_method = partition_method
+        self.seed_layers = seed_layers
         self.stage_size = world // num_stages  # ranks per stage
         self.stage_id = comm.get_rank() // self.stage_size
         chunks = num_stages * virtual_stages
