@@ -34,6 +34,8 @@ __all__ = [
     "fp4_unpack",
     "fp_round",
     "int_absmax_scale",
+    "int_codes",
+    "per_token_codes",
     "quantize_int",
     "quantize_per_channel",
     "quantize_per_tensor",
@@ -166,8 +168,17 @@ def quantize_int(x: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> torch.T
 
     ``scale`` must broadcast against ``x``. For ``bits`` < 8 the values still live in int8.
     """
+    return int_codes(x, scale, bits).to(torch.int8)
+
+
+def int_codes(x: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """The codes of :func:`quantize_int` as integer-valued fp32 (same values, no int8 cast).
+
+    For GEMM kernels that take float inputs (FBGEMM): saves the int8 round trip. One new
+    tensor; rounding and clamping run in place on it.
+    """
     qmax = 2 ** (bits - 1) - 1
-    return torch.round(x.float() / scale).clamp_(-qmax, qmax).to(torch.int8)
+    return torch.div(x.float(), scale).round_().clamp_(-qmax, qmax)
 
 
 def dequantize_int(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,6 +193,13 @@ def quantize_per_token(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, to
     """
     scale = int_absmax_scale(x.detach().abs().amax(dim=-1, keepdim=True), bits)
     return quantize_int(x, scale, bits), scale
+
+
+def per_token_codes(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_per_token` with the codes as integer-valued fp32 (see :func:`int_codes`);
+    the values equal the int8 codes exactly."""
+    scale = int_absmax_scale(x.detach().abs().amax(dim=-1, keepdim=True), bits)
+    return int_codes(x, scale, bits), scale
 
 
 def quantize_per_channel(w: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

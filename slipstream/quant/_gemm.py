@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FbgemmPacked", "Int8Backend", "fp8_gemm", "int8_gemm"]
+__all__ = ["FbgemmPacked", "Int8Backend", "fp8_gemm", "int8_gemm", "scaled_mm_works"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ def int_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class FbgemmPacked:
     """A weight prepacked for the FBGEMM int8 kernel (not part of any state dict)."""
 
-    def __init__(self, w_q: torch.Tensor) -> None:
+    def __init__(self, w_q: torch.Tensor, row_scale: torch.Tensor | None = None) -> None:
+        """``w_q [N, K]`` int8 in [-63, 63]; ``row_scale [N]`` (optional) is applied by the
+        kernel's fp32 output stage (``out[:, n] = sum * row_scale[n]``), else 1."""
         if w_q.abs().max() > FBGEMM_WEIGHT_QMAX:
             raise ValueError(
                 f"fbgemm int8 backend needs weights in [-{FBGEMM_WEIGHT_QMAX}, "
@@ -70,12 +72,18 @@ class FbgemmPacked:
         with warnings.catch_warnings():  # quantized-tensor deprecation notice, not actionable
             warnings.simplefilter("ignore", UserWarning)
             qw = torch._make_per_channel_quantized_tensor(
-                w_q.cpu(), torch.ones(n, dtype=torch.double), torch.zeros(n, dtype=torch.long), 0
+                w_q.cpu(),
+                torch.ones(n, dtype=torch.double)
+                if row_scale is None
+                else row_scale.detach().reshape(n).cpu().double(),
+                torch.zeros(n, dtype=torch.long),
+                0,
             )
             self.packed: Any = torch.ops.quantized.linear_prepack(qw, None)
 
     def __call__(self, a: torch.Tensor) -> torch.Tensor:
-        """int-valued fp32 or int8 ``a [M, K]`` -> fp32 integer sums ``[M, N]``."""
+        """int-valued fp32 or int8 ``a [M, K]`` -> fp32 integer sums ``[M, N]`` (times the
+        row scale if one was given)."""
         op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
         return op(a.float(), 1.0, 128, self.packed)
 
@@ -92,6 +100,15 @@ def int8_gemm(
 
 
 _SCALED_MM_OK: dict[str, bool] = {}
+# Output dtype torch._scaled_mm accepts with row-wise scales, per device type: some CUDA
+# builds allow only bf16 output for row-wise scaling (then the result is cast to fp32).
+_SCALED_MM_OUT: dict[str, torch.dtype] = {}
+
+
+def scaled_mm_works(device_type: str) -> bool:
+    """Whether :func:`fp8_gemm` has used ``torch._scaled_mm`` on ``device_type`` (False before
+    the first call there, or after it fell back)."""
+    return _SCALED_MM_OK.get(device_type, False)
 
 
 def _pad_cols(t: torch.Tensor, extra: int) -> torch.Tensor:
@@ -99,22 +116,47 @@ def _pad_cols(t: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat((t, torch.zeros(t.shape[0], extra, dtype=t.dtype, device=t.device)), dim=1)
 
 
+def _pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
+    return torch.cat((t, torch.zeros(extra, t.shape[1], dtype=t.dtype, device=t.device)), dim=0)
+
+
+def _scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor
+) -> torch.Tensor:
+    dev = a.device.type
+    k, n = a.shape[1], b.shape[0]
+    if dev == "cuda" and k % 16:  # K and N must be multiples of 16 on CUDA
+        a, b = _pad_cols(a, 16 - k % 16), _pad_cols(b, 16 - k % 16)
+    if dev == "cuda" and n % 16:
+        b, sb = _pad_rows(b, 16 - n % 16), F.pad(sb, (0, 16 - n % 16), value=1.0)
+    outs = [_SCALED_MM_OUT[dev]] if dev in _SCALED_MM_OUT else [torch.float32, torch.bfloat16]
+    for i, out_dtype in enumerate(outs):
+        try:
+            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        except (RuntimeError, NotImplementedError):
+            if i == len(outs) - 1:
+                raise
+            continue
+        _SCALED_MM_OUT[dev] = out_dtype
+        return out[:, :n].float()
+    raise AssertionError("unreachable")
+
+
 def fp8_gemm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
 ) -> torch.Tensor:
     """``(a [M, K] fp8 * scale_a [M, 1]) @ (b [N, K] fp8 * scale_b [N, 1]).T`` in fp32.
 
-    Uses ``torch._scaled_mm`` (row-wise scales) when the device's backend accepts it; the
-    first failure on a device type is logged once and the exact-operand fallback is used.
+    Uses ``torch._scaled_mm`` (row-wise scales; fp32 output, or bf16 output cast to fp32
+    where the backend allows only that) when the device's backend accepts it; the first
+    failure on a device type is logged once and the exact-operand fallback is used.
+    Returns a new tensor.
     """
     dev = a.device.type
     sa, sb = scale_a.float().reshape(-1, 1), scale_b.float().reshape(1, -1)
     if _SCALED_MM_OK.get(dev, True):
         try:
-            k = a.shape[1]
-            if dev == "cuda" and k % 16:
-                a, b = _pad_cols(a, 16 - k % 16), _pad_cols(b, 16 - k % 16)
-            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+            out = _scaled_mm(a, b, sa, sb)
             _SCALED_MM_OK[dev] = True
             return out
         except (RuntimeError, NotImplementedError) as exc:

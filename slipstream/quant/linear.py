@@ -23,8 +23,15 @@ from typing import Literal
 import torch
 from torch import nn
 
-from slipstream.quant._formats import FP_FORMATS, fp_round, quantize_int, quantize_per_token
-from slipstream.quant._gemm import FBGEMM_WEIGHT_QMAX, FbgemmPacked, fp8_gemm, int8_gemm
+from slipstream.quant._formats import (
+    FP_FORMATS,
+    fp_round,
+    int_codes,
+    per_token_codes,
+    quantize_int,
+    quantize_per_token,
+)
+from slipstream.quant._gemm import FBGEMM_WEIGHT_QMAX, FbgemmPacked, fp8_gemm, int_mm
 from slipstream.quant._weights import (
     GroupWeight,
     dequantize_group_weight,
@@ -151,12 +158,17 @@ class QuantLinear(nn.Module):
             return dequantize_group_weight(self._group_weight())
         return self.qweight.float() * self.weight_scale
 
-    def _fbgemm(self, w8: torch.Tensor) -> FbgemmPacked | None:
-        if self.backend != "fbgemm" or w8.device.type != "cpu":
+    def _fbgemm(self) -> FbgemmPacked | None:
+        """The prepacked FBGEMM weight (CPU, ``backend="fbgemm"``, INT8 activations), else None."""
+        if self.backend != "fbgemm" or self.act_format != "int8":
+            return None
+        if self.qweight.device.type != "cpu":
             return None
         if self._packed is None:
-            # Packed once (for INT4 this holds the expanded int8 weight: speed over memory).
-            self._packed = FbgemmPacked(w8)
+            # Packed once, with the weight's row scale applied by the kernel's fp32 output
+            # stage (for INT4 this holds the expanded int8 weight: speed over memory).
+            w8, w_scale = self.gemm_weight()
+            self._packed = FbgemmPacked(w8, w_scale)
         return self._packed
 
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
@@ -164,7 +176,11 @@ class QuantLinear(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
 
     # -- activations -----------------------------------------------------------------------
-    def _quantize_int8_act(self, x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _quantize_int8_act(
+        self, x: torch.Tensor, x2: torch.Tensor, float_codes: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Int8 codes ``[M, K]`` (int8, or the same values as fp32 if ``float_codes``) and the
+        per-row scale ``[M, 1]``: static, handed off by a fused norm, or dynamic per token."""
         if self.act_static:
             if not self.act_absmax > 0:
                 raise RuntimeError(
@@ -173,12 +189,14 @@ class QuantLinear(nn.Module):
                     "slipstream.quant.calibrate(model, batches) first"
                 )
             scale = (self.act_absmax / 127).reshape(1, 1)
-            return quantize_int(x2, scale), scale.expand(x2.shape[0], 1)
+            q = int_codes(x2, scale) if float_codes else quantize_int(x2, scale)
+            return q, scale.expand(x2.shape[0], 1)
         handoff = getattr(x, INT8_HANDOFF_ATTR, None)
         if handoff is not None:
             q, s = handoff
-            return q.reshape(-1, self.in_features), s.reshape(-1, 1)
-        return quantize_per_token(x2)
+            q = q.reshape(-1, self.in_features)
+            return (q.float() if float_codes else q), s.reshape(-1, 1)
+        return per_token_codes(x2) if float_codes else quantize_per_token(x2)
 
     def _quantize_fp8_act(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fmt = FP_FORMATS[self.act_format]
@@ -200,18 +218,25 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float()
         if self.observing:
             self.act_absmax = torch.maximum(self.act_absmax, x2.detach().abs().amax())
-        w8, w_scale = self.gemm_weight()
-        if self.act_format == "int8":
+        # Every branch yields a fresh fp32 y, so the epilogue runs in place.
+        packed = self._fbgemm()
+        if packed is not None:
+            # FBGEMM takes integer-valued fp32 codes and applies s_w itself: only s_x is left.
+            xq, x_scale = self._quantize_int8_act(x, x2, float_codes=True)
+            y = packed(xq).mul_(x_scale)
+        elif self.act_format == "int8":
+            w8, w_scale = self.gemm_weight()
             xq, x_scale = self._quantize_int8_act(x, x2)
-            acc = int8_gemm(xq, w8, self.backend, self._fbgemm(w8))
-            y = acc * x_scale * w_scale.reshape(1, -1)
+            # int32 * fp32 promotes inside the multiply: no separate int32 -> fp32 pass.
+            y = torch.mul(int_mm(xq, w8), x_scale).mul_(w_scale.reshape(1, -1))
         else:
+            w8, w_scale = self.gemm_weight()
             xq, x_scale = self._quantize_fp8_act(x2)
             y = fp8_gemm(xq, w8, x_scale, w_scale)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         if hasattr(self, "lorc_a"):
-            y = y + (x2 @ self.lorc_a) @ self.lorc_b
+            y.addmm_(x2 @ self.lorc_a, self.lorc_b)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -154,3 +154,39 @@ def test_weight_bytes_per_format() -> None:
     }
     assert sizes["int8"] == sizes["e4m3"] == 64 * 128 + 64 * 4 + 4
     assert sizes["int4"] == sizes["e2m1"] == 64 * 64 + 64 * 2 + 64 * 4 + 4
+
+
+def test_int_codes_equal_int8_codes() -> None:
+    """The fp32 codes handed to FBGEMM equal quantize_per_token's int8 codes exactly."""
+    from slipstream.quant._formats import per_token_codes
+
+    x = torch.randn(37, 96) * torch.rand(37, 1) * 10
+    x[3] = 0.0  # a zero row: scale 1, codes 0
+    q, s = quantize_per_token(x)
+    qf, sf = per_token_codes(x)
+    assert qf.dtype == torch.float32 and torch.equal(sf, s)
+    assert torch.equal(qf, q.float())
+
+
+def test_fbgemm_row_scale_applied_by_kernel() -> None:
+    """FbgemmPacked(w, row_scale) returns the exact integer sums times the row scale."""
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        pytest.skip("no FBGEMM engine")
+    a = torch.randint(-127, 128, (9, 40), dtype=torch.int8)
+    w = torch.randint(-63, 64, (12, 40), dtype=torch.int8)
+    scale = torch.rand(12) + 0.1
+    ref = (a.double() @ w.double().t()) * scale.double()
+    torch.testing.assert_close(FbgemmPacked(w, scale)(a).double(), ref, rtol=1e-6, atol=0)
+
+
+def test_fbgemm_and_int_mm_linears_agree_on_7bit_weights() -> None:
+    """The FBGEMM path (row scale in the kernel, fp32 codes) equals the int_mm path's R1
+    result for the same 7-bit weights, to fp32 rounding; with LoRC and bias too."""
+    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+        pytest.skip("no FBGEMM engine")
+    lin = torch.nn.Linear(64, 48)
+    fb = QuantLinear.from_float(lin.weight, lin.bias, "int8", "int8", backend="fbgemm", lorc_rank=4)
+    mm = QuantLinear.from_float(lin.weight, lin.bias, "int8", "int8", lorc_rank=4)
+    mm.load_state_dict(fb.state_dict())  # the same 7-bit codes and scales on int_mm
+    x = torch.randn(3, 7, 64)
+    torch.testing.assert_close(fb(x), mm(x), rtol=1e-5, atol=1e-5)
