@@ -19,11 +19,13 @@ import torch
 from torch import Tensor
 
 from slipstream.config._errors import ConfigError
-from slipstream.vision.edges import canny, gaussian_blur, to_grey
+from slipstream.vision.edges import edge_points
 from slipstream.vision.quadtree import (
     Leaves,
-    fixed_length_quadtree,
-    threshold_quadtree,
+    _check_edges,
+    _fixed_length_tree,
+    _points,
+    _threshold_tree,
     uniform_leaves,
 )
 from slipstream.vision.tokens import extract_tokens, tokens_to_image
@@ -181,27 +183,46 @@ class AdaptivePatcher:
                 f"got {tuple(masks.shape)}"
             )
 
+    def edge_points(self, images: Tensor) -> Tensor:
+        """Sorted flat indices into (B, R, R) of the edge pixels (APF steps 1-2, sparse).
+
+        What :meth:`__call__` uses: the edge map is computed strip by strip and never built
+        densely (see :func:`slipstream.vision.edges.edge_points`).
+        """
+        c = self.config
+        return edge_points(
+            images,
+            blur_kernel=c.blur_kernel,
+            low=c.canny_low,
+            high=c.canny_high,
+            relative=c.canny_relative,
+            norm=c.canny_norm,
+        )
+
     def edges(self, images: Tensor) -> Tensor:
         """(B, R, R) bool Canny edge map of the blurred 8-bit grey images (APF steps 1-2)."""
-        c = self.config
-        grey = gaussian_blur(to_grey(images).round_(), kernel_size=c.blur_kernel)
-        return canny(grey, c.canny_low, c.canny_high, relative=c.canny_relative, norm=c.canny_norm)
+        b, _, h, w = images.shape
+        out = torch.zeros(b * h * w, dtype=torch.bool, device=images.device)
+        out[self.edge_points(images)] = True
+        return out.view(b, h, w)
 
     def tree(self, edges: Tensor, generator: torch.Generator | None = None) -> Leaves:
         """Quadtree leaves of (B, R, R) edge maps (APF step 3), padded to ``length``."""
+        r = _check_edges(edges)
+        return self.tree_of_points(_points(edges), edges.shape[0], r, generator)
+
+    def tree_of_points(
+        self, points: Tensor, batch: int, r: int, generator: torch.Generator | None = None
+    ) -> Leaves:
+        """:meth:`tree` of the edge pixels ``points`` (flat indices into (B, R, R))."""
         c = self.config
         if c.variant == "fixed_length":
             assert c.length is not None
-            return fixed_length_quadtree(edges, c.length, min_size=c.min_size, max_size=c.max_size)
-        return threshold_quadtree(
-            edges,
-            c.threshold,
-            max_depth=c.max_depth,
-            min_size=c.min_size,
-            max_size=c.max_size,
-            length=c.length,
-            generator=generator,
-        )
+            return _fixed_length_tree(points, batch, r, c.length, c.min_size, c.max_size)
+        return _threshold_tree(
+            points, batch, r, c.threshold, c.max_depth, c.min_size, c.max_size, c.length,
+            generator,
+        )  # fmt: skip
 
     def tokens(self, images: Tensor, leaves: Leaves, masks: Tensor | None = None) -> PatchBatch:
         """Tokens (and mask targets) of ``images`` for given leaves (APF step 4)."""
@@ -209,8 +230,9 @@ class AdaptivePatcher:
         tokens = extract_tokens(images, leaves, c.patch_size, c.image_resize)
         targets = None
         if masks is not None:
-            m = masks.unsqueeze(1).to(tokens.dtype)
+            m = masks.unsqueeze(1)  # bool is pooled strip by strip, never copied to float whole
             targets = extract_tokens(m, leaves, c.patch_size, c.mask_resize)[:, :, 0]
+            targets = targets.to(tokens.dtype)
         return PatchBatch(tokens=tokens, leaves=leaves, targets=targets)
 
     def __call__(
@@ -227,8 +249,11 @@ class AdaptivePatcher:
             ValueError: images not (B, C, R, R) with R a power of two >= P, or mask shape.
         """
         self._check(images, masks)
-        e = self.edges(images) if edges is None else edges
-        return self.tokens(images, self.tree(e, generator), masks)
+        if edges is not None:
+            return self.tokens(images, self.tree(edges, generator), masks)
+        points = self.edge_points(images)
+        leaves = self.tree_of_points(points, images.shape[0], images.shape[-1], generator)
+        return self.tokens(images, leaves, masks)
 
     def uniform(
         self, images: Tensor, masks: Tensor | None = None, length: int | None = None

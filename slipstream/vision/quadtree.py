@@ -196,18 +196,21 @@ def box_counts(sat: Tensor, b: Tensor, y: Tensor, x: Tensor, s: Tensor | int) ->
     ).long()
 
 
-def _level_counts(sat: Tensor, side: int) -> Tensor:
-    """(B, R/side, R/side) edge counts of every aligned square of ``side`` (strided SAT reads)."""
-    s = sat[:, ::side, ::side]
-    return (s[:, 1:, 1:] - s[:, :-1, 1:] - s[:, 1:, :-1] + s[:, :-1, :-1]).long()
-
-
 def _spread_bits(v: Tensor) -> Tensor:
     v = (v | (v << 16)) & 0x0000FFFF0000FFFF
     v = (v | (v << 8)) & 0x00FF00FF00FF00FF
     v = (v | (v << 4)) & 0x0F0F0F0F0F0F0F0F
     v = (v | (v << 2)) & 0x3333333333333333
     return (v | (v << 1)) & 0x5555555555555555
+
+
+def _compact_bits(v: Tensor) -> Tensor:
+    v = v & 0x5555555555555555
+    v = (v | (v >> 1)) & 0x3333333333333333
+    v = (v | (v >> 2)) & 0x0F0F0F0F0F0F0F0F
+    v = (v | (v >> 4)) & 0x00FF00FF00FF00FF
+    v = (v | (v >> 8)) & 0x0000FFFF0000FFFF
+    return (v | (v >> 16)) & 0x00000000FFFFFFFF
 
 
 def morton_encode(row: Tensor, col: Tensor) -> Tensor:
@@ -266,6 +269,77 @@ def _drop_to_length(leaves: Leaves, length: int, generator: torch.Generator | No
     )
 
 
+def _edge_codes(points: Tensor, r: int, min_size: int) -> Tensor:
+    """Sorted keys ``image * n**2 + Morton(cell)`` of edge pixels (flat indices into (B, R, R)),
+    cells of side ``min_size`` (n = R / min_size). A node of side ``s`` is the key shifted
+    right by ``2 log2(s / min_size)``: run lengths of the shifted keys count its edges."""
+    n = r // min_size
+    img = points // (r * r)
+    rem = points - img * (r * r)
+    yy, xx = rem // r, rem % r
+    return (img * (n * n) + morton_encode(yy // min_size, xx // min_size)).sort().values
+
+
+def _level_nodes(codes: Tensor, side: int, r: int, min_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Image, Morton code (in the (R/side)**2 grid) and edge count of every node of ``side``
+    holding at least one edge pixel."""
+    shift = 2 * ((side // min_size).bit_length() - 1)
+    keys, counts = torch.unique_consecutive(codes >> shift, return_counts=True)
+    per_image = (r // side) ** 2
+    return keys // per_image, keys % per_image, counts
+
+
+def _all_nodes(batch: int, side: int, r: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+    per_image = (r // side) ** 2
+    img = torch.arange(batch, device=dev).repeat_interleave(per_image)
+    return img, torch.arange(per_image, device=dev).repeat(batch)
+
+
+def _leaves_from_split_set(
+    split: list[tuple[int, Tensor, Tensor]], batch: int, r: int, length: int | None
+) -> Leaves:
+    """Leaves of the trees whose split nodes are ``split`` (per side: image, Morton code).
+
+    The split set is closed under parents (a child never has more edges than its parent),
+    so the leaves are the root of unsplit images plus every child of a split node that is
+    not split itself.
+    """
+    dev = split[0][1].device if split else torch.device("cpu")
+    sides = [side for side, _, _ in split]
+    bits = r.bit_length()  # room for every level's Morton codes
+    gid = lambda side, img, code: (img * (2 * bits) + side.bit_length()) << (2 * bits) | code  # noqa: E731
+    split_ids = (
+        torch.cat([gid(sd, img, code) for sd, img, code in split]).sort().values
+        if split
+        else torch.empty(0, dtype=torch.long, device=dev)
+    )
+    parts = []
+    any_split = torch.zeros(batch, dtype=torch.bool, device=dev)
+    for side, img, code in split:
+        any_split[img] = True
+        half = side // 2
+        child = (code.unsqueeze(1) * 4 + torch.arange(4, device=dev)).reshape(-1)
+        cimg = img.repeat_interleave(4)
+        ids = gid(half, cimg, child)
+        if half in sides:
+            pos = torch.searchsorted(split_ids, ids).clamp_(max=max(split_ids.numel() - 1, 0))
+            leaf = split_ids[pos] != ids
+            child, cimg = child[leaf], cimg[leaf]
+        parts.append((cimg, _compact_bits(child >> 1) * half, _compact_bits(child) * half, half))
+    root = (~any_split).nonzero().squeeze(1)
+    zero = torch.zeros_like(root)
+    parts.append((root, zero, zero, r))
+    b = torch.cat([p[0] for p in parts])
+    y = torch.cat([p[1] for p in parts])
+    x = torch.cat([p[2] for p in parts])
+    s = torch.cat([torch.full_like(p[1], p[3]) for p in parts])
+    return _pack(b, y, x, s, batch, r, length)
+
+
+def _points(edges: Tensor) -> Tensor:
+    return edges.reshape(-1).nonzero().squeeze(1)
+
+
 def threshold_quadtree(
     edges: Tensor,
     threshold: int = 50,
@@ -289,42 +363,51 @@ def threshold_quadtree(
             longest row of the batch.
         generator: randomness for dropping leaves.
 
-    Cost: two cumulative sums over the image, then O(1) per visited node.
+    Cost: one sort of the edge pixels, then O(edge pixels) per level; nothing of size R^2
+    beyond finding the edge pixels.
     """
     r = _check_edges(edges)
+    return _threshold_tree(
+        _points(edges), edges.shape[0], r, threshold, max_depth, min_size, max_size, length,
+        generator,
+    )  # fmt: skip
+
+
+def _threshold_tree(
+    points: Tensor,
+    batch: int,
+    r: int,
+    threshold: int,
+    max_depth: int,
+    min_size: int,
+    max_size: int | None,
+    length: int | None,
+    generator: torch.Generator | None,
+) -> Leaves:
+    """:func:`threshold_quadtree` of the edge pixels ``points`` (flat indices, any order)."""
     _check_min_size(min_size, r)
     max_size = _check_max_size(max_size, min_size, r)
-    dev = edges.device
-    sat = summed_area_table(edges, min_size)
-    batch = edges.shape[0]
-    b = torch.arange(batch, device=dev)
-    y = torch.zeros(batch, dtype=torch.long, device=dev)
-    x = torch.zeros_like(y)
-    out_b, out_y, out_x, out_s = [], [], [], []
+    if threshold < 0:
+        raise ValueError(f"threshold={threshold} must be >= 0 (an edge-pixel count)")
+    codes = _edge_codes(points, r, min_size)
+    split = []
     side, depth = r, 0
-    while b.numel():
-        split = (
-            (box_counts(sat, b, y // min_size, x // min_size, side // min_size) > threshold)
-            & (depth < max_depth)
-            & (side // 2 >= min_size)
-        )
-        if side > max_size:
-            split = torch.ones_like(split)
-        leaf = ~split
-        out_b.append(b[leaf])
-        out_y.append(y[leaf])
-        out_x.append(x[leaf])
-        out_s.append(torch.full_like(y[leaf], side))
-        half = side // 2
-        dy = torch.tensor([0, 0, half, half], device=dev)
-        dx = torch.tensor([0, half, 0, half], device=dev)
-        b = b[split].repeat_interleave(4)
-        y = (y[split].view(-1, 1) + dy).reshape(-1)
-        x = (x[split].view(-1, 1) + dx).reshape(-1)
-        side, depth = half, depth + 1
-    leaves = _pack(
-        torch.cat(out_b), torch.cat(out_y), torch.cat(out_x), torch.cat(out_s), batch, r, None
-    )
+    while side >= 2 * min_size:
+        if side > max_size:  # forced: every node of this level splits
+            img, code = _all_nodes(batch, side, r, points.device)
+        elif depth < max_depth:
+            # Nodes with more than threshold (>= 0) edges all appear among the non-empty
+            # ones, and their parents split too (more edges, shallower): the set is a tree.
+            img, code, count = _level_nodes(codes, side, r, min_size)
+            keep = count > threshold
+            img, code = img[keep], code[keep]
+        else:
+            break
+        if img.numel() == 0:
+            break
+        split.append((side, img, code))
+        side, depth = side // 2, depth + 1
+    leaves = _leaves_from_split_set(split, batch, r, None)
     if length is None:
         return leaves
     if length < 1:
@@ -359,13 +442,22 @@ def fixed_length_quadtree(
     ``max_size`` are split first, whatever their count.
 
     Equivalent to the greedy loop (see the module docstring) but computed as one ``topk``
-    over the count pyramid of all splittable levels: O(R^2 / min_size^2) memory and time.
+    over the counts of the non-empty nodes of all splittable levels, read off the sorted
+    Morton codes of the edge pixels: O(edge pixels x levels), nothing of size R^2 beyond
+    finding the edge pixels.
 
     Raises:
         ValueError: bad shape, ``length`` not 1 mod 3, or ``max_size`` forcing more splits
             than ``length`` allows.
     """
     r = _check_edges(edges)
+    return _fixed_length_tree(_points(edges), edges.shape[0], r, length, min_size, max_size)
+
+
+def _fixed_length_tree(
+    points: Tensor, batch: int, r: int, length: int, min_size: int, max_size: int | None
+) -> Leaves:
+    """:func:`fixed_length_quadtree` of the edge pixels ``points`` (flat indices, any order)."""
     _check_min_size(min_size, r)
     if length < 1 or length % 3 != 1:
         near = max(1, length - (length - 1) % 3)
@@ -374,14 +466,8 @@ def fixed_length_quadtree(
             f"1 + 3k leaves; use length={near} or {near + 3}"
         )
     max_size = _check_max_size(max_size, min_size, r)
-    batch, dev = edges.shape[0], edges.device
-    sat = summed_area_table(edges, min_size)
+    dev = points.device
     sides = [r >> d for d in range(r.bit_length()) if (r >> d) >= 2 * min_size]
-    forced_value = r * r + 1  # larger than any real count
-    keys = []
-    for side in sides:
-        c = _level_counts(sat, side // min_size).reshape(batch, -1)[:, _morton_perm(r // side, dev)]
-        keys.append(torch.full_like(c, forced_value) if side > max_size else c)
     budget = (length - 1) // 3
     forced = sum((r // s) ** 2 for s in sides if s > max_size)
     if forced > budget:
@@ -389,43 +475,50 @@ def fixed_length_quadtree(
             f"max_size={max_size} forces {forced} splits but length={length} allows only "
             f"{budget}; raise length to >= {1 + 3 * forced} or max_size"
         )
-    if not keys or budget == 0:
-        root = torch.zeros(batch, dtype=torch.long, device=dev)
-        leaves = _pack(torch.arange(batch, device=dev), root, root, root + r, batch, r, None)
-        return _pad(leaves, length)
-    count = torch.cat(keys, dim=1)
-    n = count.shape[1]
-    bits = max(1, (n - 1).bit_length())
-    # Ties broken by position in the concatenation: shallower level first, then Morton order.
-    key = (count << bits) | (n - 1 - torch.arange(n, device=dev))
-    top = torch.topk(key, min(budget, n), dim=1)
-    chosen = torch.zeros((batch, n), dtype=torch.bool, device=dev)
-    chosen.scatter_(1, top.indices, (top.values >> bits) > 0)
-    return _leaves_from_splits(chosen, sides, min_size, batch, r, length)
-
-
-def _leaves_from_splits(
-    chosen: Tensor, sides: list[int], min_size: int, batch: int, r: int, length: int
-) -> Leaves:
-    """Leaves = root if unsplit, else children of split nodes that are not split themselves."""
-    dev = chosen.device
-    split_grids, off = [], 0
-    for side in sides:
-        n = r // side
-        flat = torch.zeros((batch, n * n), dtype=torch.bool, device=dev)
-        flat[:, _morton_perm(n, dev)] = chosen[:, off : off + n * n]
-        split_grids.append(flat.view(batch, n, n))
-        off += n * n
-    parts = []
-    parent_split = torch.ones((batch, 1, 1), dtype=torch.bool, device=dev)
-    for side, grid in zip([*sides, sides[-1] // 2], [*split_grids, None]):
-        leaf = parent_split if grid is None else parent_split & ~grid
-        bb, yy, xx = leaf.nonzero(as_tuple=True)
-        parts.append((bb, yy * side, xx * side, torch.full_like(yy, side)))
-        if grid is not None:
-            parent_split = grid.repeat_interleave(2, 1).repeat_interleave(2, 2)
-    b, y, x, s = (torch.cat([p[i] for p in parts]) for i in range(4))
-    return _pack(b, y, x, s, batch, r, length)
+    if not sides or budget == 0:
+        return _pad(_leaves_from_split_set([], batch, r, None), length)
+    codes = _edge_codes(points, r, min_size)
+    forced_value = r * r + 1  # larger than any real count
+    imgs, pos, counts, level = [], [], [], []
+    offset = 0
+    for k, side in enumerate(sides):
+        if side > max_size:
+            img, code = _all_nodes(batch, side, r, dev)
+            count = torch.full_like(code, forced_value)
+        else:
+            img, code, count = _level_nodes(codes, side, r, min_size)
+        imgs.append(img)
+        pos.append(offset + code)  # position in the concatenation of all levels' grids
+        counts.append(count)
+        level.append(torch.full_like(code, k))
+        offset += (r // side) ** 2
+    img, p, count, lvl = (torch.cat(t) for t in (imgs, pos, counts, level))
+    bits = max(1, (offset - 1).bit_length())
+    # Ties broken by position: shallower level first, then Morton order (as the greedy loop).
+    key = (count << bits) | (offset - 1 - p)
+    # One row of keys per image (padded with -1), then one topk per row.
+    order = torch.argsort(img, stable=True)
+    img, key, p, lvl = img[order], key[order], p[order], lvl[order]
+    per = torch.bincount(img, minlength=batch)
+    width = max(int(per.max()) if per.numel() else 0, 1)
+    slot = torch.arange(img.numel(), device=dev) - (torch.cumsum(per, 0) - per)[img]
+    rows = torch.full((batch, width), -1, dtype=torch.long, device=dev)
+    rows[img, slot] = key
+    top = torch.topk(rows, min(budget, width), dim=1)
+    take = (top.values >> bits) > 0  # a positive count (padding and empty nodes never split)
+    bi = torch.arange(batch, device=dev).unsqueeze(1).expand_as(top.indices)[take]
+    flat = bi * width + top.indices[take]
+    owner = torch.full((batch * width,), -1, dtype=torch.long, device=dev)
+    owner[img * width + slot] = torch.arange(img.numel(), device=dev)
+    chosen = owner[flat]
+    starts = [0] + [(r // s) ** 2 for s in sides]
+    bases = torch.tensor(starts, device=dev).cumsum(0)
+    split = []
+    for k, side in enumerate(sides):
+        sel = chosen[lvl[chosen] == k]
+        if sel.numel():
+            split.append((side, img[sel], p[sel] - bases[k]))
+    return _leaves_from_split_set(split, batch, r, length)
 
 
 @functools.lru_cache(maxsize=32)

@@ -44,10 +44,33 @@ def _check_images(images: Tensor, leaves: Leaves, name: str) -> None:
         )
 
 
-def _pyramid(images: Tensor, levels: int) -> list[Tensor]:
-    """Average pyramid levels 0..levels, each flattened to (B, C, H_k * W_k) (level 0: a view)."""
-    out, level = [images.flatten(2)], images
-    for _ in range(levels):
+def _pool_strips(images: Tensor, factor: int, rows: int = 256) -> Tensor:
+    """(B, C, R/f, R/f) f x f box means of ``images`` (any dtype, bool included), in row strips.
+
+    One pass over the full-resolution input; each strip is converted to float and pooled
+    while it is still in cache (a whole-image ``float()`` or 2 x 2 pyramid costs several
+    passes over memory at 8K).
+    """
+    b, c, h, w = images.shape
+    dtype = images.dtype if images.is_floating_point() else torch.float32
+    out = torch.empty((b, c, h // factor, w // factor), dtype=dtype, device=images.device)
+    step = max(factor, (rows // factor) * factor)
+    for top in range(0, h, step):
+        strip = images[:, :, top : top + step].to(dtype)
+        out[:, :, top // factor : (top + step) // factor] = F.avg_pool2d(strip, factor)
+    return out
+
+
+def _pyramid(images: Tensor, first: int, last: int) -> list[Tensor | None]:
+    """Average pyramid levels ``first``..``last`` flattened to (B, C, H_k * W_k); None below.
+
+    Level ``first`` is one f x f box mean of the input (f = 2**first), the rest 2 x 2 means
+    of the level above; level 0 is the input itself (a view).
+    """
+    out: list[Tensor | None] = [None] * first
+    level = images if first == 0 else _pool_strips(images, 1 << first)
+    out.append(level.flatten(2))
+    for _ in range(first, last):
         level = F.avg_pool2d(level, 2)
         out.append(level.flatten(2))
     return out
@@ -61,32 +84,41 @@ def extract_tokens(
     Returns:
         (B, L, C, P, P) tokens in leaf order; padding leaves give all-zero tokens.
 
-    Memory: one average pyramid (at most 1/3 of ``images``) plus the tokens.
+    Accepts float or bool/integer images (masks); returns float32 for the latter.
+    Memory: the pyramid levels the leaves use (at most 1/3 of ``images``) plus the tokens.
     """
     _check_images(images, leaves, "images")
     p = patch_size
-    x = images if images.is_floating_point() else images.float()
+    x = images
     b, c, r, _ = x.shape
+    dtype = x.dtype if x.is_floating_point() else torch.float32
     size = leaves.size.clamp(min=1)
     i = torch.arange(p, device=x.device)
     if mode == "area":
         big = size >= p
         shift = torch.where(big, (size // p).float().log2().round().long(), torch.zeros_like(size))
-        levels = _pyramid(x, int(shift.max()) if shift.numel() else 0)
+        used = shift[leaves.valid]
+        first, last = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
+        # Only the levels some leaf reads; non-float inputs (bool masks) are converted per
+        # strip while pooling, or once at level 0 where a leaf reads full resolution.
+        levels = _pyramid(x if first else x.to(dtype), first, last)
         # Level-k coordinates of the token's first row/col; small leaves replicate pixels.
         y0, x0 = (leaves.y.clamp(min=0) >> shift), (leaves.x.clamp(min=0) >> shift)
         step_i = torch.where(big.unsqueeze(-1), i, (i * size.unsqueeze(-1)) // p)
         rows, cols, n = y0.unsqueeze(-1) + step_i, x0.unsqueeze(-1) + step_i, r >> shift
     elif mode == "nearest":
-        levels, shift, n = [x.flatten(2)], torch.zeros_like(size), torch.full_like(size, r)
+        levels = [x.to(dtype).flatten(2)]
+        shift, n = torch.zeros_like(size), torch.full_like(size, r)
         centre = ((2 * i + 1) * size.unsqueeze(-1)) // (2 * p)
         rows = leaves.y.clamp(min=0).unsqueeze(-1) + centre
         cols = leaves.x.clamp(min=0).unsqueeze(-1) + centre
     else:
         raise ValueError(f"mode={mode!r} is not a resize mode; use 'area' or 'nearest'")
     index = rows.unsqueeze(-1) * n[..., None, None] + cols.unsqueeze(-2)  # (B, L, P, P)
-    tokens = x.new_zeros((b, leaves.length, c, p, p))
+    tokens = torch.zeros((b, leaves.length, c, p, p), dtype=dtype, device=x.device)
     for k, level in enumerate(levels):
+        if level is None:
+            continue
         bi, li = (leaves.valid & (shift == k)).nonzero(as_tuple=True)
         if bi.numel():
             flat = index[bi, li].reshape(-1)  # one gather per pyramid level
