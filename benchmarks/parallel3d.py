@@ -2,14 +2,16 @@
 GPT, and DeepSpeed's pipeline engine on the same layers, in one run.
 
 Every configuration trains the same model (the reference GPT; for pipelines its embedding,
-blocks and head as pipeline layers, the same modules) on the same global batch: ``--micro`` sequences per micro-batch,
-``--micro-batches`` micro-batches per optimizer step per data-parallel rank, AdamW, fp32, ZeRO-1
+blocks and head as pipeline layers) on the same global batch: ``--micro`` sequences per
+micro-batch, ``--micro-batches`` micro-batches per optimizer step in all (each of the dp
+data-parallel ranks runs 1/dp of them), AdamW, fp32, ZeRO-1
 over the data-parallel ranks (DeepSpeed's pipeline engine allows ZeRO-1 at most). One step is
 one optimizer step: ``train_batch`` for pipelines, ``--micro-batches`` forward/backward calls
 then ``step`` otherwise. Each configuration runs in its own fresh world; see
 ``benchmarks/_harness.py`` for how time (slowest rank's median) and memory (peak RSS above the
 baseline, per rank) are taken. Pipelines also print the bubble fraction of their schedule's
-timeline.
+timeline (theory) and the measured idle share of the last step (1 - compute time / step time,
+mean over ranks: it includes communication and, on a shared CPU, waiting for a core).
 
     python benchmarks/parallel3d.py                    # world 4: all configurations
     python benchmarks/parallel3d.py --runs dp4,pp4-1f1b,ds-pp4 --json out.json
@@ -31,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._harness import BenchConfig, PeakMemory, spawn_world
-from slipstream.models.gpt import GPT, Block, GPTConfig, RMSNorm
+from slipstream.distributed.mesh import dp_group
+from slipstream.models.gpt import GPT, GPTConfig
+from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers
 
 _MB = 2**20
 
@@ -68,68 +71,24 @@ RUNS: dict[str, Run] = {
 
 
 # ------------------------------------------------------------------- the model, as layers
-class EmbedLayer(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        nn.init.normal_(self.embed_tokens.weight, std=0.02)
+def _ds_specs(config: GPTConfig) -> list[Any]:
+    """The same layers (slipstream's GPT pipeline layers) as DeepSpeed ``LayerSpec``s."""
+    from deepspeed.pipe import LayerSpec
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-
-class BlockLayer(nn.Module):
-    """A reference-GPT block with its own RoPE tables (pipeline layers take one tensor)."""
-
-    rope_cos: torch.Tensor
-    rope_sin: torch.Tensor
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.block = Block(config)
-        for p in self.block.parameters():
-            if p.dim() > 1:
-                nn.init.normal_(p, std=0.02)
-        d = config.head_dim
-        inv = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float32), inv)
-        angles = torch.cat((angles, angles), -1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        return self.block(x, self.rope_cos[:t], self.rope_sin[:t])
-
-
-class HeadLayer(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        nn.init.normal_(self.lm_head.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def _specs(config: GPTConfig, layer_spec: Any) -> list[Any]:
     return [
-        layer_spec(EmbedLayer, config),
-        *(layer_spec(BlockLayer, config) for _ in range(config.num_layers)),
-        layer_spec(HeadLayer, config),
+        LayerSpec(s.typename, *s.module_args, **s.module_kwargs)
+        for s in gpt_pipeline_layers(config)
     ]
 
 
 # ------------------------------------------------------------------------------ one rank
-def _micro_batches(args: argparse.Namespace, dp_rank: int) -> list[tuple[torch.Tensor, ...]]:
+def _micro_batches(
+    args: argparse.Namespace, dp_rank: int, dp: int
+) -> list[tuple[torch.Tensor, ...]]:
+    """This data-parallel rank's share (1/dp) of the step's ``--micro-batches``."""
     gen = torch.Generator().manual_seed(1000 + dp_rank)
     out = []
-    for _ in range(args.micro_batches):
+    for _ in range(args.micro_batches // dp):
         tokens = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=gen)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
@@ -137,7 +96,7 @@ def _micro_batches(args: argparse.Namespace, dp_rank: int) -> list[tuple[torch.T
 
 def _ds_config(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     return {
-        "train_batch_size": args.micro * args.micro_batches * dp,
+        "train_batch_size": args.micro * args.micro_batches,
         "train_micro_batch_size_per_gpu": args.micro,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
@@ -166,11 +125,12 @@ def _body(run: Run, args: argparse.Namespace, rank: int, device: torch.device) -
     ds_config = _ds_config(args, dp)
     train: Any
     bubble = None
+    pipe_engine: Any = None
     if run.framework == "ddp":
         model = GPT(config).to(device)
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-        data = _micro_batches(args, rank)
+        data = _micro_batches(args, rank, dp)
 
         def train() -> float:
             for i, (x, y) in enumerate(data):
@@ -186,30 +146,29 @@ def _body(run: Run, args: argparse.Namespace, rank: int, device: torch.device) -
 
     elif run.framework == "deepspeed":
         import deepspeed
-        from deepspeed.pipe import LayerSpec, PipelineModule
+        from deepspeed.pipe import PipelineModule
 
         module = PipelineModule(
-            layers=_specs(config, LayerSpec),
+            layers=_ds_specs(config),
             num_stages=run.pp,
-            loss_fn=lm_loss,
+            loss_fn=gpt_loss,
             partition_method="parameters",
         )
         engine, *_ = deepspeed.initialize(
             model=module, model_parameters=module.parameters(), config=ds_config
         )
-        data = _micro_batches(args, engine.grid.data_parallel_id)
+        data = _micro_batches(args, engine.grid.data_parallel_id, dp)
 
         def train() -> float:
             return float(engine.train_batch(iter(data)))
 
     elif run.pp > 1:
-        from slipstream.pipe import LayerSpec as SLayerSpec
         from slipstream.pipe import PipelineModule as SPipelineModule
 
         smodule = SPipelineModule(
-            layers=_specs(config, SLayerSpec),
+            layers=gpt_pipeline_layers(config),
             num_stages=run.pp,
-            loss_fn=lm_loss,
+            loss_fn=gpt_loss,
             partition_method="parameters",
             virtual_stages=run.virtual,
         )
@@ -217,9 +176,9 @@ def _body(run: Run, args: argparse.Namespace, rank: int, device: torch.device) -
         cfg["pipeline"] = {"schedule": run.schedule, "virtual_stages": run.virtual}
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
         sengine, *_ = slipstream.initialize(model=smodule, config=cfg)
-        dp_rank = dist.get_rank(sengine.mesh.get_group("dp_shard"))
-        data = _micro_batches(args, dp_rank)
-        bubble = getattr(sengine, "bubble_fraction", lambda: None)()
+        data = _micro_batches(args, dist.get_rank(dp_group(sengine.mesh)), dp)
+        bubble = sengine.bubble_fraction()
+        pipe_engine = sengine
 
         def train() -> float:
             return float(sengine.train_batch(iter(data)))
@@ -228,7 +187,7 @@ def _body(run: Run, args: argparse.Namespace, rank: int, device: torch.device) -
         cfg = dict(ds_config, tensor_parallel={"autotp_size": run.tp})
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
         gengine, *_ = slipstream.initialize(model=GPT(config), config=cfg)
-        data = _micro_batches(args, rank // run.tp)
+        data = _micro_batches(args, rank // run.tp, dp)
 
         def train() -> float:
             for x, y in data:
@@ -254,6 +213,7 @@ def _body(run: Run, args: argparse.Namespace, rank: int, device: torch.device) -
         "peak_mb": peak / _MB,
         "loss": losses[-1],
         "bubble": bubble,
+        "busy": None if pipe_engine is None else pipe_engine.last_busy_fraction,
     }
 
 
@@ -268,7 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
-    parser.add_argument("--micro-batches", type=int, default=8, help="per step per dp rank")
+    parser.add_argument(
+        "--micro-batches", type=int, default=16, help="per step, all dp ranks together"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -299,9 +261,9 @@ def format_table(results: dict[str, Any], args: argparse.Namespace) -> str:
     base_ms = max(r["median_ms"] for r in base) if base else None
     lines = [
         f"GPT h={args.hidden} L={args.layers} seq={args.seq}, world {args.world}, "
-        f"{args.micro} x {args.micro_batches} sequences per dp rank per step, fp32, ZeRO-1",
+        f"{args.micro} x {args.micro_batches} sequences per step (global), fp32, ZeRO-1",
         f"{'run':<18} {'step ms':>8} {'vs dp4':>7} {'peak MB/rank (min-max)':>24} "
-        f"{'bubble':>7} {'loss':>7}",
+        f"{'bubble':>7} {'idle':>5} {'loss':>7}",
     ]
     for name, res in results.items():
         if "error" in res:
@@ -311,10 +273,12 @@ def format_table(results: dict[str, Any], args: argparse.Namespace) -> str:
         ms = max(r["median_ms"] for r in ranks)
         mem = [r["peak_mb"] for r in ranks]
         bubble = next((r["bubble"] for r in ranks if r["bubble"] is not None), None)
+        busy = [r["busy"] for r in ranks if r.get("busy") is not None]
+        idle = f"{1 - statistics.mean(busy):.2f}" if busy else "-"
         ratio = f"{ms / base_ms:.2f}x" if base_ms else "-"
         lines.append(
             f"{name:<18} {ms:>8.0f} {ratio:>7} {min(mem):>11.0f} - {max(mem):<10.0f} "
-            f"{'-' if bubble is None else f'{bubble:.2f}':>7} {ranks[-1]['loss']:>7.3f}"
+            f"{'-' if bubble is None else f'{bubble:.2f}':>7} {idle:>5} {ranks[-1]['loss']:>7.3f}"
         )
     for pair in (("pp2-dp2-1f1b", "ds-pp2-dp2"), ("pp4-1f1b", "ds-pp4")):
         ours, theirs = (results.get(n, {}).get("ranks") for n in pair)

@@ -10,6 +10,7 @@ step stay in the ZeRO optimizer, as in the base ``Engine``; the optimizer steps 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,13 @@ from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.parallel.pipeline._p2p import StageChannel
 from slipstream.parallel.pipeline.module import PipelineError, PipelineModule
-from slipstream.parallel.pipeline.schedule import Instruction, Schedule, build_schedule
+from slipstream.parallel.pipeline.schedule import (
+    Instruction,
+    Schedule,
+    Timeline,
+    build_schedule,
+    simulate,
+)
 from slipstream.runtime.engine import Engine
 from slipstream.zero import ZeroOptimizer
 
@@ -104,6 +111,8 @@ class PipelineEngine(Engine):
         partitioned = tuple(kind for kind, on in flags if on)
         self.channel = StageChannel(self.pp_group, device, tp_group, partitioned)
         self.activation_stats = ActivationStats()
+        self.last_busy_fraction: float | None = None
+        """Share of the last ``train_batch`` this rank spent computing (not waiting)."""
         self._allowed = False
         self._data_iter: Iterator[Any] | None = None
         self._tied_grads: dict[str, torch.Tensor] = {}
@@ -133,6 +142,17 @@ class PipelineEngine(Engine):
             self.pipe_module.virtual_stages,
             forward_only=forward_only,
         )
+
+    def timeline(self, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
+        """The simulated timeline of the configured schedule (``to_text()``,
+        ``to_chrome_trace()``, ``bubble_fraction()``); a stage's forward of one micro-batch
+        costs ``forward_cost``, its backward ``backward_cost``."""
+        return simulate(self.schedule(), forward_cost, backward_cost)
+
+    def bubble_fraction(self) -> float:
+        """Idle share of the configured schedule: ``(p-1)/(m+p-1)``, or ``(p-1)/(vm+p-1)``
+        interleaved. ``last_busy_fraction`` is the measured counterpart of this rank."""
+        return self.timeline().bubble_fraction()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self._allowed:
@@ -180,11 +200,16 @@ class PipelineEngine(Engine):
         steps = sched.steps[self.stage_id]
         last_backward = max(i for i, x in enumerate(steps) if x.op == "backward")
         run = _Run(self, data, train=True)
+        start, busy = time.perf_counter(), 0.0
         for n, ins in enumerate(steps):
             if ins.op == "backward":
                 opt.reducer.sync = n == last_backward
+            t0 = time.perf_counter()
             run.execute(ins)
+            if ins.op in ("forward", "backward"):
+                busy += time.perf_counter() - t0
         self.channel.flush()
+        self.last_busy_fraction = busy / max(time.perf_counter() - start, 1e-9)
         self._reduce_tied_grads(opt)
         loss = self._mean_loss(run.losses, m)
         self._last_loss = loss
