@@ -3,7 +3,8 @@
 Usage::
 
     python benchmarks/apf.py [--sizes 1024,4096,8192] [--length 1024] [--patch 8]
-        [--sections tokens,time,prep,dice,positions] [--dice-steps 150] [--json out.json]
+        [--sections tokens,time,prep,dice,positions] [--thresholds 50,24,12,6,3]
+        [--dice-steps 150] [--device cpu|cuda] [--json out.json]
 
 Sections (all in one process, candidate and baseline in the same run):
 
@@ -11,17 +12,23 @@ Sections (all in one process, candidate and baseline in the same run):
   bicubically, Canny thresholds 100/200 transferred from its native 512^2 as fractions of
   the peak gradient)
   the APF token count of both quadtree variants vs uniform patches at the same minimum patch
-  size (the smallest leaf APF produced), and the ratio.
+  size (the smallest leaf APF produced), and the ratio; the threshold variant for every tau
+  of ``--thresholds``, with the mask round-trip Dice of the tree (synthetic images: the
+  exact mask through the leaves and back, what the tree can resolve at best).
 * ``time``: forward+backward of the same ViT on L adaptive tokens vs the (R/P)**2 uniform
   P x P patches. Uniform lengths above ``--max-measured`` tokens are extrapolated from a fit
   t(N) = a N + b N**2 over measured lengths (marked "fit").
-* ``prep``: APF preprocessing (edges + tree + image and mask tokens) per image as a
-  fraction of one training step (forward + backward + AdamW) on its tokens, per model size.
+* ``prep``: APF preprocessing (the full ``AdaptivePatcher(images, masks)`` call: edges, tree,
+  image and mask tokens; split into its parts) as a fraction of one training step (forward
+  + backward + AdamW) on its tokens, per model size, at batch 1 and at ``--prep-batch``
+  (the preprocessing of that many images vs one step on all of them).
 * ``dice``: adaptive vs uniform tokens at equal budget L and patch size P, same model, same
   steps (slipstream engine), Dice at full resolution on held-out images.
 * ``positions``: slot vs slot+geometry vs geometry embeddings on adaptive tokens (first size).
 
-Timings use ``--threads`` intra-op threads (default 1: stable on a shared machine).
+Timings use ``--threads`` intra-op threads (default 1: stable on a shared machine), medians
+of ``--reps`` repetitions after a warm-up. ``--device cuda`` runs preprocessing and training
+on the GPU (images generated there; CUDA synchronised around every timing).
 """
 
 from __future__ import annotations
@@ -54,14 +61,35 @@ from slipstream.vision import (
 )
 from slipstream.vision.edges import _sobel, gaussian_blur, to_grey
 from slipstream.vision.quadtree import Leaves
+from slipstream.vision.tokens import extract_tokens, tokens_to_image
 
 __all__ = ["main"]
 
 
+_DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if _DEVICE.type == "cuda":
+        torch.cuda.synchronize(_DEVICE)
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    _sync()
     start = time.perf_counter()
     out = fn()
+    _sync()
     return time.perf_counter() - start, out
+
+
+def _median_timed(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    """Median seconds of ``reps`` calls after one warm-up call, and the last result."""
+    _, out = _timed(fn)
+    times = []
+    for _ in range(reps):
+        t, out = _timed(fn)
+        times.append(t)
+    return statistics.median(times), out
 
 
 def _ihc_relative_thresholds() -> tuple[float, float]:
@@ -82,7 +110,9 @@ def _image(kind: str, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
     return resize_square(bundled_image("immunohistochemistry"), size, "bicubic"), None
 
 
-def _patcher(kind: str, variant: str, args: argparse.Namespace, size: int) -> AdaptivePatcher:
+def _patcher(
+    kind: str, variant: str, args: argparse.Namespace, size: int, threshold: int = 50
+) -> AdaptivePatcher:
     extra: dict[str, Any] = {}
     if kind == "ihc":
         lo, hi = _ihc_relative_thresholds()
@@ -90,11 +120,18 @@ def _patcher(kind: str, variant: str, args: argparse.Namespace, size: int) -> Ad
     depth = (size // 2).bit_length() - 1
     if variant == "threshold":
         return AdaptivePatcher(
-            APFConfig(
-                patch_size=args.patch, variant="threshold", length=None, max_depth=depth, **extra
-            )
-        )
+            APFConfig(patch_size=args.patch, variant="threshold", length=None, max_depth=depth,
+                      threshold=threshold, **extra)
+        )  # fmt: skip
     return AdaptivePatcher(APFConfig(patch_size=args.patch, length=args.length, **extra))
+
+
+def _round_trip_dice(mask: torch.Tensor, leaves: Leaves, patch: int) -> float:
+    """Dice of the exact mask after area tokens through ``leaves`` and back (the tree's best)."""
+    targets = extract_tokens(mask.unsqueeze(1), leaves, patch, "area")[:, :, 0]
+    back = tokens_to_image(targets, leaves) > 0.5
+    inter = int((back & mask).sum())
+    return 2 * inter / max(int(back.sum()) + int(mask.sum()), 1)
 
 
 def section_tokens(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -102,28 +139,36 @@ def section_tokens(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for size in args.sizes:
         for kind in ("synthetic", "ihc"):
-            img, _ = _image(kind, size)
-            for variant in ("threshold", "fixed_length"):
-                patcher = _patcher(kind, variant, args, size)
-                t_edges, edges = _timed(lambda p=patcher, i=img: p.edges(i))
-                t_tree, leaves = _timed(lambda p=patcher, e=edges: p.tree(e))
+            img, mask = _image(kind, size)
+            base = _patcher(kind, "fixed_length", args, size)
+            t_edges, points = _timed(lambda p=base, i=img: p.edge_points(i))
+            runs = [("threshold", t) for t in args.thresholds] + [("fixed_length", None)]
+            for variant, tau in runs:
+                patcher = _patcher(kind, variant, args, size, tau or 50)
+                t_tree, leaves = _timed(
+                    lambda p=patcher, e=points, r=size: p.tree_of_points(e, 1, r)
+                )
                 sizes = leaves.size[leaves.valid]
                 smin = int(sizes.min())
                 n = int(leaves.num_leaves[0])
                 uni = (size // smin) ** 2
-                rows.append(dict(size=size, image=kind, variant=variant, edge_px=int(edges.sum()),
-                                 tokens=n, min_leaf=smin, max_leaf=int(sizes.max()),
-                                 uniform_at_min=uni, ratio=uni / n,
-                                 uniform_p2=(size // 2) ** 2, edges_s=t_edges, tree_s=t_tree))  # fmt: skip
-                print(f"  tokens  {size:>5} {kind:<9} {variant:<12} tokens {n:>6}  min leaf {smin:>3}  "
-                      f"uniform@min {uni:>9,}  ratio {uni / n:8.1f}x", flush=True)  # fmt: skip
-            del img
+                dice = None if mask is None else _round_trip_dice(mask, leaves, args.patch)
+                rows.append(dict(size=size, image=kind, variant=variant, threshold=tau,
+                                 edge_px=int(points.numel()), tokens=n, min_leaf=smin,
+                                 max_leaf=int(sizes.max()), uniform_at_min=uni, ratio=uni / n,
+                                 uniform_p2=(size // 2) ** 2, round_trip_dice=dice,
+                                 edges_s=t_edges, tree_s=t_tree))  # fmt: skip
+                name = variant if tau is None else f"{variant} tau={tau}"
+                print(f"  tokens  {size:>5} {kind:<9} {name:<16} tokens {n:>7,}  min leaf {smin:>3}  "
+                      f"uniform@min {uni:>10,}  ratio {uni / n:8.1f}x"
+                      + ("" if dice is None else f"  round-trip Dice {dice:.5f}"), flush=True)  # fmt: skip
+            del img, mask, points
     return rows
 
 
 def _fwd_bwd_s(model: ViTSegmenter, n: int, reps: int) -> float:
     p, c = model.config.patch_size, model.config.in_channels
-    tokens = torch.rand(1, n, c, p, p)
+    tokens = torch.rand(1, n, c, p, p, device=_DEVICE)
     times = []
     for i in range(reps + 1):
         model.zero_grad(set_to_none=True)
@@ -149,7 +194,7 @@ def section_time(args: argparse.Namespace) -> list[dict[str, Any]]:
         args.time_model, patch_size=args.patch, max_tokens=max(args.max_measured, args.length)
     )
     torch.manual_seed(0)
-    model = ViTSegmenter(cfg)
+    model = ViTSegmenter(cfg).to(_DEVICE)
     measured: dict[int, float] = {}
     lengths = {args.length, args.max_measured, args.max_measured // 4, args.max_measured // 16}
     lengths |= {
@@ -179,47 +224,69 @@ def section_time(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _train_step_s(cfg: ViTSegConfig, batch: PatchBatch, reps: int) -> float:
     torch.manual_seed(0)
-    model = ViTSegmenter(cfg)
+    model = ViTSegmenter(cfg).to(_DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     assert batch.targets is not None
     from slipstream.vision import bce_dice_loss
 
-    times = []
-    for i in range(reps + 1):
-        start = time.perf_counter()
+    def step() -> None:
         loss = bce_dice_loss(
             model(batch.tokens, batch.valid, batch.geometry), batch.targets, batch.valid
         )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return _median_timed(step, reps)[0]
 
 
 def section_prep(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """APF preprocessing per image as a fraction of a training step on its tokens."""
+    """APF preprocessing (the whole patcher call) as a fraction of a training step on its tokens.
+
+    Batch 1: one image's preprocessing vs one step on its tokens. Batch ``--prep-batch``:
+    the preprocessing of that many images (measured one image at a time, summed) vs one step
+    on all of their tokens.
+    """
     rows = []
+    nb = args.prep_batch
     for size in args.sizes:
-        img, mask = synthetic_blobs(1, size, seed=0)
         patcher = _patcher("synthetic", "fixed_length", args, size)
-        parts = {}
-        parts["edges"], edges = _timed(lambda p=patcher, i=img: p.edges(i))
-        parts["tree"], leaves = _timed(lambda p=patcher, e=edges: p.tree(e))
-        parts["tokens"], batch = _timed(
-            lambda p=patcher, i=img, lv=leaves, m=mask: p.tokens(i, lv, m)
+        per_image, batches = [], []
+        for i in range(nb):
+            img, mask = synthetic_blobs(1, size, seed=i, device=_DEVICE)
+            reps = args.reps if i == 0 else 1
+            parts = {}
+            parts["edges"], points = _median_timed(lambda p=patcher, x=img: p.edge_points(x), reps)
+            parts["tree"], leaves = _median_timed(
+                lambda p=patcher, e=points, r=size: p.tree_of_points(e, 1, r), reps
+            )
+            parts["tokens"], _ = _median_timed(
+                lambda p=patcher, x=img, lv=leaves, m=mask: p.tokens(x, lv, m), reps
+            )
+            full, batch = _median_timed(lambda p=patcher, x=img, m=mask: p(x, m), reps)
+            per_image.append((full, parts))
+            batches.append(batch)
+            del img, mask, points
+        prep1, parts = per_image[0]
+        prep_b = sum(t for t, _ in per_image)
+        big = PatchBatch(
+            tokens=torch.cat([b.tokens for b in batches]),
+            leaves=Leaves.cat([b.leaves for b in batches]),
+            targets=torch.cat([b.targets for b in batches if b.targets is not None]),
         )
-        prep = sum(parts.values())
         for name in args.prep_models:
             cfg = ViTSegConfig.preset(name, patch_size=args.patch, max_tokens=args.length)
-            step = _train_step_s(cfg, batch, reps=1 if name == "base" else args.reps)
-            rows.append(dict(size=size, model=name, prep_s=prep, **{f"{k}_s": v for k, v in parts.items()},
-                             step_s=step, fraction=prep / step))  # fmt: skip
-            print(f"  prep    {size:>5} {name:<5}: preprocessing {prep:7.2f} s "
-                  f"(edges {parts['edges']:.2f}, tree {parts['tree']:.2f}, tokens {parts['tokens']:.2f})"
-                  f"  step {step:7.2f} s  -> {100 * prep / step:6.1f}% of a step", flush=True)  # fmt: skip
-        del img, mask, edges
+            reps = 1 if name == "base" and _DEVICE.type == "cpu" else args.reps
+            step1 = _train_step_s(cfg, batches[0], reps=reps)
+            step_b = _train_step_s(cfg, big, reps=reps) if nb > 1 else step1
+            rows.append(dict(size=size, model=name, prep_s=prep1, **{f"{k}_s": v for k, v in parts.items()},
+                             step_s=step1, fraction=prep1 / step1, batch=nb, prep_batch_s=prep_b,
+                             step_batch_s=step_b, fraction_batch=prep_b / step_b))  # fmt: skip
+            print(f"  prep    {size:>5} {name:<5}: preprocessing {prep1 * 1e3:8.1f} ms "
+                  f"(edges {parts['edges'] * 1e3:.1f}, tree {parts['tree'] * 1e3:.1f}, tokens {parts['tokens'] * 1e3:.1f})"
+                  f"  step {step1 * 1e3:8.1f} ms -> {100 * prep1 / step1:6.1f}%;  batch {nb}: "
+                  f"{prep_b * 1e3:8.1f} ms / step {step_b * 1e3:8.1f} ms -> {100 * prep_b / step_b:6.1f}%", flush=True)  # fmt: skip
+        del batches, big
     return rows
 
 
@@ -308,6 +375,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--max-measured", type=int, default=16384, help="longest uniform sequence timed"
     )
     ap.add_argument("--prep-models", default="tiny,small,base", type=lambda s: s.split(","))
+    ap.add_argument("--prep-batch", type=int, default=4, help="images per step, second row")
+    ap.add_argument(
+        "--thresholds",
+        default="50,24,12,6,3",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="tau values of the threshold variant in the tokens section",
+    )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (prep and time sections)")
     ap.add_argument("--dice-model", default="tiny")
     ap.add_argument("--dice-steps", type=int, default=150)
     ap.add_argument("--dice-batch", type=int, default=4)
@@ -320,10 +395,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global _DEVICE
+    _DEVICE = torch.device(args.device)
     sections = args.sections.split(",")
     out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}}
+    where = torch.cuda.get_device_name(_DEVICE) if _DEVICE.type == "cuda" else "cpu"
     print(
-        f"APF benchmark: sizes {args.sizes}, L={args.length}, P={args.patch}, threads {args.threads}"
+        f"APF benchmark: sizes {args.sizes}, L={args.length}, P={args.patch}, "
+        f"threads {args.threads}, device {where}"
     )
     if "tokens" in sections:
         out["tokens"] = section_tokens(args)

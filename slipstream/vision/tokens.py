@@ -45,14 +45,16 @@ def _check_images(images: Tensor, leaves: Leaves, name: str) -> None:
 
 
 def _pool_strips(images: Tensor, factor: int, rows: int = 256) -> Tensor:
-    """(B, C, R/f, R/f) f x f box means of ``images`` (any dtype, bool included), in row strips.
+    """(B, C, R/f, R/f) f x f box means of ``images`` (float, or bool / integer masks).
 
-    One pass over the full-resolution input; each strip is converted to float and pooled
-    while it is still in cache (a whole-image ``float()`` or 2 x 2 pyramid costs several
-    passes over memory at 8K).
+    One pass over the full-resolution input. Non-float inputs are converted to float one row
+    strip at a time, while the strip is in cache (a whole-image ``float()`` is a 256 MB
+    allocation and two more passes over memory at 8K).
     """
+    if images.is_floating_point():
+        return F.avg_pool2d(images, factor)  # one pass already; strips would add copies
     b, c, h, w = images.shape
-    dtype = images.dtype if images.is_floating_point() else torch.float32
+    dtype = torch.float32
     out = torch.empty((b, c, h // factor, w // factor), dtype=dtype, device=images.device)
     step = max(factor, (rows // factor) * factor)
     for top in range(0, h, step):

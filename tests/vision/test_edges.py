@@ -109,3 +109,26 @@ def test_grey_blur_and_argument_errors() -> None:
         canny(torch.zeros(8, 8), 200, 100)
     with pytest.raises(ValueError, match="channels"):
         to_grey(torch.zeros(1, 2, 4, 4))
+
+
+@pytest.mark.parametrize("blur", [1, 3, 5])
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_strip_wise_edge_points_equal_the_dense_pipeline(blur: int, norm: str) -> None:
+    """edge_points (row strips with halos, sparse hysteresis) == grey -> blur -> canny, exactly."""
+    from slipstream.vision import synthetic_blobs
+    from slipstream.vision.edges import edge_points
+
+    images, _ = synthetic_blobs(2, 128, seed=3)
+    images = images[:, :, :100]  # non-square, and strips that do not divide the height
+    grey1 = images[:, :1] * 0.7
+    rgba = torch.cat([images, torch.ones_like(images[:, :1])], 1)
+    for x, lo, hi, rel in ((images, 100.0, 200.0, False), (images, 0.1, 0.3, True),
+                           (grey1, 20.0, 40.0, False), (rgba, 100.0, 200.0, False)):  # fmt: skip
+        grey = gaussian_blur(to_grey(x).round(), kernel_size=blur)
+        dense = canny(grey, lo, hi, relative=rel, norm=norm)  # type: ignore[arg-type]
+        ref = dense.reshape(-1).nonzero().squeeze(1)
+        assert ref.numel() > 50
+        for rows in (1, 7, 32, None):
+            got = edge_points(x, blur_kernel=blur, low=lo, high=hi, relative=rel, norm=norm,  # type: ignore[arg-type]
+                              strip_rows=rows)  # fmt: skip
+            assert torch.equal(got, ref), (rows, got.numel(), ref.numel())

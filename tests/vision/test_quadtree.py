@@ -101,6 +101,43 @@ def test_fixed_length_equals_sequential_greedy_splitting(seed: int) -> None:
         assert got == _greedy(e, length, 2)
 
 
+def _recursive_threshold(
+    e: torch.Tensor, tau: int, max_depth: int, min_size: int, max_size: int
+) -> list[tuple[int, int, int]]:
+    """The spec's definition, node by node, counting edges with SAT box queries."""
+    sat = summed_area_table(e[None])
+    zero = torch.zeros(1, dtype=torch.long)
+    out = []
+
+    def visit(y: int, x: int, s: int, depth: int) -> None:
+        count = int(box_counts(sat, zero, zero + y, zero + x, s))
+        if s > max_size or (count > tau and depth < max_depth and s // 2 >= min_size):
+            h = s // 2
+            for dy, dx in ((0, 0), (0, h), (h, 0), (h, h)):
+                visit(y + dy, x + dx, h, depth + 1)
+        else:
+            out.append((y, x, s))
+
+    visit(0, 0, e.shape[-1], 0)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_threshold_variant_equals_node_by_node_recursion(seed: int) -> None:
+    """Counts read off sorted Morton codes split exactly the nodes the SAT recursion splits."""
+    e = _edges(1, 64, 0.04, seed)[0]
+    for tau, depth, min_size, max_size in ((0, 10, 1, 64), (3, 10, 2, 64), (20, 3, 2, 64),
+                                           (60, 10, 4, 16), (5, 1, 2, 8)):  # fmt: skip
+        leaves = threshold_quadtree(
+            e[None], tau, max_depth=depth, min_size=min_size, max_size=max_size
+        )
+        v = leaves.valid[0]
+        got = list(
+            zip(leaves.y[0, v].tolist(), leaves.x[0, v].tolist(), leaves.size[0, v].tolist())
+        )
+        assert got == _recursive_threshold(e, tau, depth, min_size, max_size)
+
+
 def test_empty_edge_map_gives_one_leaf_in_both_variants() -> None:
     """No edges -> the root alone (the fixed-length row is padded, flagged invalid)."""
     e = torch.zeros(2, 64, 64, dtype=torch.bool)

@@ -47,6 +47,24 @@ def test_area_tokens_are_box_filtered_crops_and_small_leaves_replicate(p: int) -
     assert min(sizes) < p < max(sizes)
 
 
+def test_area_tokens_of_large_leaves_and_bool_masks() -> None:
+    """Leaves all >= 2P start the pyramid below full resolution; bool masks pool as floats."""
+    g = torch.Generator().manual_seed(1)
+    e = torch.rand(2, 128, 128, generator=g) < 0.01
+    leaves = fixed_length_quadtree(e, 22, min_size=16)
+    images = torch.rand(2, 3, 128, 128, generator=g)
+    masks = torch.rand(2, 1, 128, 128, generator=g) > 0.5
+    for x in (images, masks):
+        tokens = extract_tokens(x, leaves, 4, "area")
+        assert tokens.dtype == torch.float32
+        for b in range(2):
+            for i in range(int(leaves.num_leaves[b])):
+                y, xx, s = (int(t[b, i]) for t in (leaves.y, leaves.x, leaves.size))
+                crop = x[b : b + 1, :, y : y + s, xx : xx + s].float()
+                ref = F.interpolate(crop, size=(4, 4), mode="area")[0]
+                torch.testing.assert_close(tokens[b, i], ref, rtol=1e-5, atol=1e-6)
+
+
 def test_nearest_tokens_sample_the_pixel_under_each_token_pixel_centre() -> None:
     """mode='nearest' picks pixel y + floor((i + 0.5) * s / P) of each leaf."""
     images, leaves = _mixed_leaves()
