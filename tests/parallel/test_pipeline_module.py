@@ -141,7 +141,10 @@ def test_one_stage_engine_matches_plain_training_and_evaluates() -> None:
     loss, logits = engine.eval_batch(data, return_logits=True)
     assert len(logits) == m and logits[0].shape == (w.MICRO, w.SEQ, w.VOCAB)
     want = torch.stack(
-        [gpt_loss(lg, y[i * w.MICRO : (i + 1) * w.MICRO]) for i, lg in enumerate(logits)]
+        [
+            gpt_loss(lg, y[i * w.MICRO : (i + 1) * w.MICRO].to(lg.device))
+            for i, lg in enumerate(logits)
+        ]
     ).mean()
     torch.testing.assert_close(loss, want)
 
