@@ -222,7 +222,8 @@ def section_time(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _train_step_s(cfg: ViTSegConfig, batch: PatchBatch, reps: int) -> float:
+def _train_step_fn(cfg: ViTSegConfig, batch: PatchBatch) -> Callable[[], None]:
+    """One training step (forward, BCE + soft-Dice, backward, AdamW) of a fresh model."""
     torch.manual_seed(0)
     model = ViTSegmenter(cfg).to(_DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -237,56 +238,69 @@ def _train_step_s(cfg: ViTSegConfig, batch: PatchBatch, reps: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _median_timed(step, reps)[0]
+    return step
 
 
 def section_prep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """APF preprocessing (the whole patcher call) as a fraction of a training step on its tokens.
 
-    Batch 1: one image's preprocessing vs one step on its tokens. Batch ``--prep-batch``:
-    the preprocessing of that many images (measured one image at a time, summed) vs one step
-    on all of their tokens.
+    Batch 1: one image's preprocessing vs one step on its tokens. Batch ``--prep-batch``
+    (if > 1): the preprocessing of that many images (one call each, summed) vs one step on
+    all of their tokens. Preprocessing and step alternate, ``--reps`` times after a warm-up,
+    and the fraction is the median of the per-repetition ratios (robust to a shared machine
+    whose speed drifts between the two measurements).
     """
     rows = []
-    nb = args.prep_batch
     for size in args.sizes:
-        patcher = _patcher("synthetic", "fixed_length", args, size)
-        per_image, batches = [], []
-        for i in range(nb):
-            img, mask = synthetic_blobs(1, size, seed=i, device=_DEVICE)
-            reps = args.reps if i == 0 else 1
-            parts = {}
-            parts["edges"], points = _median_timed(lambda p=patcher, x=img: p.edge_points(x), reps)
-            parts["tree"], leaves = _median_timed(
-                lambda p=patcher, e=points, r=size: p.tree_of_points(e, 1, r), reps
-            )
-            parts["tokens"], _ = _median_timed(
-                lambda p=patcher, x=img, lv=leaves, m=mask: p.tokens(x, lv, m), reps
-            )
-            full, batch = _median_timed(lambda p=patcher, x=img, m=mask: p(x, m), reps)
-            per_image.append((full, parts))
-            batches.append(batch)
-            del img, mask, points
-        prep1, parts = per_image[0]
-        prep_b = sum(t for t, _ in per_image)
-        big = PatchBatch(
-            tokens=torch.cat([b.tokens for b in batches]),
-            leaves=Leaves.cat([b.leaves for b in batches]),
-            targets=torch.cat([b.targets for b in batches if b.targets is not None]),
-        )
-        for name in args.prep_models:
-            cfg = ViTSegConfig.preset(name, patch_size=args.patch, max_tokens=args.length)
-            reps = 1 if name == "base" and _DEVICE.type == "cpu" else args.reps
-            step1 = _train_step_s(cfg, batches[0], reps=reps)
-            step_b = _train_step_s(cfg, big, reps=reps) if nb > 1 else step1
-            rows.append(dict(size=size, model=name, prep_s=prep1, **{f"{k}_s": v for k, v in parts.items()},
-                             step_s=step1, fraction=prep1 / step1, batch=nb, prep_batch_s=prep_b,
-                             step_batch_s=step_b, fraction_batch=prep_b / step_b))  # fmt: skip
-            print(f"  prep    {size:>5} {name:<5}: preprocessing {prep1 * 1e3:8.1f} ms "
-                  f"(edges {parts['edges'] * 1e3:.1f}, tree {parts['tree'] * 1e3:.1f}, tokens {parts['tokens'] * 1e3:.1f})"
-                  f"  step {step1 * 1e3:8.1f} ms -> {100 * prep1 / step1:6.1f}%;  batch {nb}: "
-                  f"{prep_b * 1e3:8.1f} ms / step {step_b * 1e3:8.1f} ms -> {100 * prep_b / step_b:6.1f}%", flush=True)  # fmt: skip
-        del batches, big
+        rows += _prep_rows(size, args)
+    return rows
+
+
+def _prep_rows(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    nb = args.prep_batch
+    patcher = _patcher("synthetic", "fixed_length", args, size)
+    data = [synthetic_blobs(1, size, seed=i, device=_DEVICE) for i in range(nb)]
+    img, mask = data[0]
+    parts = {}
+    parts["edges"], points = _median_timed(lambda: patcher.edge_points(img), args.reps)
+    parts["tree"], leaves = _median_timed(
+        lambda: patcher.tree_of_points(points, 1, size), args.reps
+    )
+    parts["tokens"], _ = _median_timed(lambda: patcher.tokens(img, leaves, mask), args.reps)
+    batches = [patcher(x, m) for x, m in data]
+    big = PatchBatch(
+        tokens=torch.cat([b.tokens for b in batches]),
+        leaves=Leaves.cat([b.leaves for b in batches]),
+        targets=torch.cat([b.targets for b in batches if b.targets is not None]),
+    )
+    for name in args.prep_models:
+        cfg = ViTSegConfig.preset(name, patch_size=args.patch, max_tokens=args.length)
+        row: dict[str, Any] = dict(size=size, model=name, **{f"{k}_s": v for k, v in parts.items()})
+        for label, n_img, batch in (("", 1, batches[0]), ("_batch", nb, big)):
+            if label and nb == 1:
+                continue
+            step = _train_step_fn(cfg, batch)
+            prep_fn = lambda k=n_img: [patcher(x, m) for x, m in data[:k]]  # noqa: E731
+            _timed(prep_fn), _timed(step)  # warm-up
+            preps, steps = [], []
+            for _ in range(args.reps):
+                preps.append(_timed(prep_fn)[0])
+                steps.append(_timed(step)[0])
+            ratios = [p / t for p, t in zip(preps, steps)]
+            row.update({f"prep{label}_s": statistics.median(preps),
+                        f"step{label}_s": statistics.median(steps),
+                        f"fraction{label}": statistics.median(ratios),
+                        f"fraction{label}_range": (min(ratios), max(ratios))})  # fmt: skip
+        row["batch"] = nb
+        rows.append(row)
+        extra = (f";  batch {nb}: {row['prep_batch_s'] * 1e3:8.1f} ms / step {row['step_batch_s'] * 1e3:8.1f} ms "
+                 f"-> {100 * row['fraction_batch']:6.1f}%") if nb > 1 else ""  # fmt: skip
+        lo, hi = row["fraction_range"]
+        print(f"  prep    {size:>5} {name:<5}: preprocessing {row['prep_s'] * 1e3:8.1f} ms "
+              f"(edges {parts['edges'] * 1e3:.1f}, tree {parts['tree'] * 1e3:.1f}, tokens {parts['tokens'] * 1e3:.1f})"
+              f"  step {row['step_s'] * 1e3:8.1f} ms -> {100 * row['fraction']:6.1f}% "
+              f"({100 * lo:.1f}-{100 * hi:.1f}){extra}", flush=True)  # fmt: skip
     return rows
 
 
@@ -375,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--max-measured", type=int, default=16384, help="longest uniform sequence timed"
     )
     ap.add_argument("--prep-models", default="tiny,small,base", type=lambda s: s.split(","))
-    ap.add_argument("--prep-batch", type=int, default=4, help="images per step, second row")
+    ap.add_argument("--prep-batch", type=int, default=1, help="> 1: also a step of this batch")
     ap.add_argument(
         "--thresholds",
         default="50,24,12,6,3",
