@@ -244,11 +244,10 @@ def _train_step_fn(cfg: ViTSegConfig, batch: PatchBatch) -> Callable[[], None]:
 def section_prep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """APF preprocessing (the whole patcher call) as a fraction of a training step on its tokens.
 
-    Batch 1: one image's preprocessing vs one step on its tokens. Batch ``--prep-batch``
-    (if > 1): the preprocessing of that many images (one call each, summed) vs one step on
-    all of their tokens. Preprocessing and step alternate, ``--reps`` times after a warm-up,
-    and the fraction is the median of the per-repetition ratios (robust to a shared machine
-    whose speed drifts between the two measurements).
+    For every batch size B of ``--prep-batch``: one ``patcher(images, masks)`` call on B images
+    vs one training step on their B x L tokens. Preprocessing and step alternate, ``--reps``
+    times after a warm-up, and the fraction is the median of the per-repetition ratios (robust
+    to a shared machine whose speed drifts between the two measurements).
     """
     rows = []
     for size in args.sizes:
@@ -258,49 +257,38 @@ def section_prep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _prep_rows(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    nb = args.prep_batch
     patcher = _patcher("synthetic", "fixed_length", args, size)
-    data = [synthetic_blobs(1, size, seed=i, device=_DEVICE) for i in range(nb)]
-    img, mask = data[0]
+    img, mask = synthetic_blobs(1, size, seed=0, device=_DEVICE)
     parts = {}
     parts["edges"], points = _median_timed(lambda: patcher.edge_points(img), args.reps)
     parts["tree"], leaves = _median_timed(
         lambda: patcher.tree_of_points(points, 1, size), args.reps
     )
     parts["tokens"], _ = _median_timed(lambda: patcher.tokens(img, leaves, mask), args.reps)
-    batches = [patcher(x, m) for x, m in data]
-    big = PatchBatch(
-        tokens=torch.cat([b.tokens for b in batches]),
-        leaves=Leaves.cat([b.leaves for b in batches]),
-        targets=torch.cat([b.targets for b in batches if b.targets is not None]),
-    )
-    for name in args.prep_models:
-        cfg = ViTSegConfig.preset(name, patch_size=args.patch, max_tokens=args.length)
-        row: dict[str, Any] = dict(size=size, model=name, **{f"{k}_s": v for k, v in parts.items()})
-        for label, n_img, batch in (("", 1, batches[0]), ("_batch", nb, big)):
-            if label and nb == 1:
-                continue
+    for nb in args.prep_batch:
+        images, masks = synthetic_blobs(nb, size, seed=0, device=_DEVICE)
+        batch = patcher(images, masks)
+        for name in args.prep_models:
+            cfg = ViTSegConfig.preset(name, patch_size=args.patch, max_tokens=args.length)
             step = _train_step_fn(cfg, batch)
-            prep_fn = lambda k=n_img: [patcher(x, m) for x, m in data[:k]]  # noqa: E731
+            prep_fn = lambda x=images, m=masks: patcher(x, m)  # noqa: E731
             _timed(prep_fn), _timed(step)  # warm-up
             preps, steps = [], []
             for _ in range(args.reps):
                 preps.append(_timed(prep_fn)[0])
                 steps.append(_timed(step)[0])
             ratios = [p / t for p, t in zip(preps, steps)]
-            row.update({f"prep{label}_s": statistics.median(preps),
-                        f"step{label}_s": statistics.median(steps),
-                        f"fraction{label}": statistics.median(ratios),
-                        f"fraction{label}_range": (min(ratios), max(ratios))})  # fmt: skip
-        row["batch"] = nb
-        rows.append(row)
-        extra = (f";  batch {nb}: {row['prep_batch_s'] * 1e3:8.1f} ms / step {row['step_batch_s'] * 1e3:8.1f} ms "
-                 f"-> {100 * row['fraction_batch']:6.1f}%") if nb > 1 else ""  # fmt: skip
-        lo, hi = row["fraction_range"]
-        print(f"  prep    {size:>5} {name:<5}: preprocessing {row['prep_s'] * 1e3:8.1f} ms "
-              f"(edges {parts['edges'] * 1e3:.1f}, tree {parts['tree'] * 1e3:.1f}, tokens {parts['tokens'] * 1e3:.1f})"
-              f"  step {row['step_s'] * 1e3:8.1f} ms -> {100 * row['fraction']:6.1f}% "
-              f"({100 * lo:.1f}-{100 * hi:.1f}){extra}", flush=True)  # fmt: skip
+            row = dict(size=size, model=name, batch=nb, prep_s=statistics.median(preps),
+                       step_s=statistics.median(steps), fraction=statistics.median(ratios),
+                       fraction_range=(min(ratios), max(ratios)),
+                       **{f"{k}_s": v for k, v in parts.items()})  # fmt: skip
+            rows.append(row)
+            lo, hi = row["fraction_range"]
+            print(f"  prep    {size:>5} {name:<5} batch {nb:>2}: preprocessing {row['prep_s'] * 1e3:8.1f} ms "
+                  f"(one image: edges {parts['edges'] * 1e3:.1f}, tree {parts['tree'] * 1e3:.1f}, tokens {parts['tokens'] * 1e3:.1f})"
+                  f"  step {row['step_s'] * 1e3:8.1f} ms -> {100 * row['fraction']:6.1f}% "
+                  f"({100 * lo:.1f}-{100 * hi:.1f})", flush=True)  # fmt: skip
+        del images, masks, batch
     return rows
 
 
@@ -389,7 +377,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--max-measured", type=int, default=16384, help="longest uniform sequence timed"
     )
     ap.add_argument("--prep-models", default="tiny,small,base", type=lambda s: s.split(","))
-    ap.add_argument("--prep-batch", type=int, default=1, help="> 1: also a step of this batch")
+    ap.add_argument(
+        "--prep-batch",
+        default="1",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="images per patcher call and training step (comma list)",
+    )
     ap.add_argument(
         "--thresholds",
         default="50,24,12,6,3",

@@ -424,10 +424,11 @@ def edge_points(
         isobel, jsobel = _sobel_valid(padded)
         return s0, isobel, jsobel, _magnitude(isobel, jsobel, squared)
 
-    # CPU: strips of about 2**18 pixels stay in cache. GPU: one strip per 2**26 pixels
-    # (8K a side in one go): kernels stream at full bandwidth and each strip costs syncs.
+    # CPU: strips of about 2**18 pixels (all images together) stay in cache. GPU: one strip
+    # per 2**26 pixels (an 8K image in one go): kernels stream at full bandwidth and each
+    # strip costs synchronisations.
     budget = 1 << 18 if images.device.type == "cpu" else 1 << 26
-    step = strip_rows or max(8, budget // max(w, 1))
+    step = strip_rows or max(8, budget // max(w * b, 1))
     peak = None
     if relative:
         peak = torch.zeros(b, dtype=dtype, device=dev)
