@@ -9,6 +9,10 @@ the two pixel by pixel): Gaussian smoothing with border renormalisation, 3x3 Sob
 non-maximum suppression with linear interpolation between the two neighbours along the
 gradient, and hysteresis with 8-connectivity. The one-pixel image border is never an edge.
 
+:func:`edge_points` is what the APF patcher runs: the same grey -> blur -> Canny, computed
+over row strips that stay in cache, returning the edge pixels as sorted flat indices (no
+full-resolution float plane, no dense edge map); identical output, several times faster at 8K.
+
 Threshold units: intensities are on the 0-255 scale, so the APF defaults ``(100, 200)`` mean
 what they mean for OpenCV's ``Canny`` on 8-bit images.
 """

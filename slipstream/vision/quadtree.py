@@ -1,16 +1,22 @@
 """Batched, vectorized quadtrees over edge maps (APF step 3, arXiv 2404.09707 sec. III-A).
 
 A node is an axis-aligned square ``(y, x, s)`` with ``s`` a power of two; its score is the
-number of edge pixels inside it, read in O(1) from a summed-area table. Two variants:
+number of edge pixels inside it. The spec reads it from a summed-area table
+(:func:`summed_area_table` / :func:`box_counts`, kept as utilities); the trees here get every
+count at once from the edge pixels themselves: their Morton codes (cells of ``min_size``) are
+sorted once, a node of side ``s`` is a code shifted right by ``2 log2(s / min_size)`` bits,
+and the run lengths of the shifted codes are the counts of all non-empty nodes of that level.
+Cost O(edge pixels x levels), nothing of size R^2 (at 8K a table or count pyramid over the
+image costs more than the whole tree). Same splits as the SAT recursion (tested). Two variants:
 
 * :func:`threshold_quadtree` (the authors' first release): split a node iff its edge count
-  exceeds ``threshold`` and it is shallower than ``max_depth``. Built level by level: one
-  vectorized SAT query per live node and level, so the cost follows the tree, not the image.
+  exceeds ``threshold`` and it is shallower than ``max_depth``. Nodes over the threshold are
+  non-empty and their parents are over it too, so the split set is read level by level.
 * :func:`fixed_length_quadtree` (the later release): repeatedly split the leaf with the most
   edges until the sequence holds ``length`` leaves. Because a child never has more edges than
   its parent, that greedy best-first expansion splits exactly the ``(length - 1) / 3`` nodes
   with the largest counts (ties: shallower first, then Morton order), so the whole tree is one
-  ``topk`` over the count pyramid: no sequential loop, same result.
+  ``topk`` over the non-empty nodes of all levels: no sequential loop, same result.
 
 Leaves come back in Morton (Z) order -- TL, TR, BL, BR, recursively -- which is the depth-first
 order of the tree, so spatially close leaves are close in the token sequence. Both variants

@@ -8,8 +8,10 @@ Both directions are single gathers / strided writes, batched over images and lea
 
 * Downscaling uses an average pyramid: a leaf of side ``s >= P`` read at pyramid level
   ``log2(s / P)`` is exactly its box-filtered (area) P x P version, so one gather per
-  pyramid level extracts every token of that size class at once. ``mode="nearest"`` samples the pixel
-  under each token pixel's centre instead.
+  pyramid level extracts every token of that size class at once. Only the levels some leaf
+  reads are built, the first in one f x f pooling pass (bool masks pooled strip by strip,
+  never copied to float whole). ``mode="nearest"`` samples the pixel under each token
+  pixel's centre instead.
 * Upscaling (``s < P``) replicates pixels (nearest), so a mask round trip through leaves no
   larger than P is exact.
 * :func:`tokens_to_image` writes each size class of leaves through a strided block view of
