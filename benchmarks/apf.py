@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/apf.py [--sizes 1024,4096,8192] [--length 1024] [--patch 8]
         [--sections tokens,time,prep,dice,positions] [--thresholds 50,24,12,6,3]
-        [--dice-steps 150] [--device cpu|cuda] [--json out.json]
+        [--prep-batch 1,4,16] [--dice-steps 150] [--device cpu|cuda] [--json out.json]
 
 Sections (all in one process, candidate and baseline in the same run):
 
@@ -19,15 +19,16 @@ Sections (all in one process, candidate and baseline in the same run):
   P x P patches. Uniform lengths above ``--max-measured`` tokens are extrapolated from a fit
   t(N) = a N + b N**2 over measured lengths (marked "fit").
 * ``prep``: APF preprocessing (the full ``AdaptivePatcher(images, masks)`` call: edges, tree,
-  image and mask tokens; split into its parts) as a fraction of one training step (forward
-  + backward + AdamW) on its tokens, per model size, at batch 1 and at ``--prep-batch``
-  (the preprocessing of that many images vs one step on all of them).
+  image and mask tokens; split into its parts for one image) as a fraction of one training
+  step (forward + BCE/Dice + backward + AdamW) on its tokens, per model size and per batch
+  size of ``--prep-batch`` (one call on B images vs one step on their B x L tokens); the two
+  are timed alternately and the median per-repetition ratio is reported.
 * ``dice``: adaptive vs uniform tokens at equal budget L and patch size P, same model, same
   steps (slipstream engine), Dice at full resolution on held-out images.
 * ``positions``: slot vs slot+geometry vs geometry embeddings on adaptive tokens (first size).
 
 Timings use ``--threads`` intra-op threads (default 1: stable on a shared machine), medians
-of ``--reps`` repetitions after a warm-up. ``--device cuda`` runs preprocessing and training
+of ``--reps`` repetitions after a warm-up (``prep`` and ``time``). ``--device cuda`` runs preprocessing and training
 on the GPU (images generated there; CUDA synchronised around every timing).
 """
 
