@@ -136,3 +136,22 @@ def pipeline_run(
         "peak_in_flight": stats.peak_in_flight,
         "peak_bytes": stats.peak_bytes,
     }
+
+
+def starved_run() -> str:
+    """PP=2 where stage 0's data iterator is empty: every rank must raise, none may hang."""
+    module = PipelineModule(gpt_pipeline_layers(gpt_config()), num_stages=2, loss_fn=gpt_loss)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+    }
+    engine, *_ = slipstream.initialize(model=module, config=config)
+    it = iter([]) if dist.get_rank() == 0 else micro_iter(2, 1, 0)
+    try:
+        engine.train_batch(it)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        engine.destroy()
+    return "no error"

@@ -59,6 +59,7 @@ def _world_body(runs: dict[str, dict[str, Any]], memory: bool) -> dict[str, Any]
     if memory:
         for kind in ("gpipe", "1f1b"):
             out[f"mem_{kind}"] = w.pipeline_run(2, kind, MEMORY_M, steps=1)
+        out["starved"] = w.starved_run()
     else:
         try:
             w.pipeline_run(2, "1f1b", 2, stage=3, steps=1)
@@ -169,3 +170,9 @@ def test_zero3_is_rejected(world4: list[dict[str, Any]]) -> None:
     """ZeRO-3 with a pipeline fails at initialize with a ConfigError saying what to use."""
     msg = world4[0]["zero3"]
     assert msg is not None and "ZeRO stage 3 is not supported" in msg and "1 or 2" in msg
+
+
+def test_a_stage_without_data_stops_every_stage(world2: list[dict[str, Any]]) -> None:
+    """Stage 0's iterator is empty: it names the cause, stage 1 names stage 0; no hang."""
+    assert world2[0]["starved"].startswith("PipelineError: the data iterator ran out after 0")
+    assert world2[1]["starved"].startswith("PipelineError: pipeline stage 0 could not read")

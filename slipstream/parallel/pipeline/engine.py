@@ -257,7 +257,31 @@ class PipelineEngine(Engine):
 
     # ---------------------------------------------------------------- internals
     def _take(self, data_iter: Iterator[Any] | None, m: int) -> list[Any]:
-        """``m`` micro-batches on the first and last stage (others read nothing)."""
+        """``m`` micro-batches on the first and last stage (others read nothing).
+
+        Every stage learns whether all got their data (one small all-reduce over the
+        pipeline group): a stage whose iterator failed would otherwise leave the others
+        waiting forever for its activations. Every rank raises, naming the stage.
+        """
+        error: PipelineError | None = None
+        try:
+            data = self._read(data_iter, m)
+        except PipelineError as e:
+            error, data = e, []
+        if self.num_stages > 1:
+            flag = torch.tensor([self.stage_id + 1 if error is not None else 0], device=self.device)
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self.pp_group, label="pipe_data")
+            failed = int(flag.item()) - 1
+            if error is None and failed >= 0:
+                raise PipelineError(
+                    f"pipeline stage {failed} could not read its micro-batches (see its error); "
+                    f"stage {self.stage_id} stops too instead of waiting for it"
+                )
+        if error is not None:
+            raise error
+        return data
+
+    def _read(self, data_iter: Iterator[Any] | None, m: int) -> list[Any]:
         if not (self.is_first_stage() or self.is_last_stage()):
             return [None] * m
         it = data_iter if data_iter is not None else self._data_iter
