@@ -177,8 +177,9 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     return _CheckpointFunction.apply(function, _Options.current(), *args)
 
 
-def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    """``torch.utils.checkpoint`` (non-reentrant) with the tensor-parallel RNG streams."""
+def _replaying_rng(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` whose second and later calls (the recomputes) run with the
+    tensor-parallel RNG tracker's streams as they were at the first call."""
     states = _tracker_states()
     first = [True]
 
@@ -189,6 +190,12 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
         with _restored_tracker(states):
             return function(*inner)
 
+    return run
+
+
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """``torch.utils.checkpoint`` (non-reentrant) with the tensor-parallel RNG streams."""
+    run = _replaying_rng(function)
     return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
@@ -209,18 +216,8 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 
 
 def _selective(function: Callable[..., Any], *args: Any) -> Any:
-    states = _tracker_states()
-    first = [True]
-
-    def run(*inner: Any) -> Any:
-        if first[0]:
-            first[0] = False
-            return function(*inner)
-        with _restored_tracker(states):
-            return function(*inner)
-
     return torch_checkpoint(
-        run,
+        _replaying_rng(function),
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
