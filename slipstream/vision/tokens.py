@@ -56,6 +56,8 @@ def _pool_strips(images: Tensor, factor: int, rows: int = 256) -> Tensor:
     if images.is_floating_point():
         return F.avg_pool2d(images, factor)  # one pass already; strips would add copies
     b, c, h, w = images.shape
+    if images.dtype == torch.bool and factor > 1 and w % 8 == 0:
+        return _pool_bool(images, factor)
     dtype = torch.float32
     out = torch.empty((b, c, h // factor, w // factor), dtype=dtype, device=images.device)
     step = max(factor, (rows // factor) * factor)
@@ -63,6 +65,28 @@ def _pool_strips(images: Tensor, factor: int, rows: int = 256) -> Tensor:
         strip = images[:, :, top : top + step].to(dtype)
         out[:, :, top // factor : (top + step) // factor] = F.avg_pool2d(strip, factor)
     return out
+
+
+_WORD = {2: (torch.int16, 0x0101, 8), 4: (torch.int32, 0x01010101, 24),
+         8: (torch.int64, 0x0101010101010101, 56)}  # fmt: skip
+
+
+def _pool_bool(mask: Tensor, factor: int) -> Tensor:
+    """f x f means of a bool (B, C, H, W) tensor by byte counting, never converted to float.
+
+    The bytes of ``w = min(f, 8)`` neighbouring pixels are read as one integer; multiplying
+    by 0x01...01 adds them into its top byte (each sum <= 8, so no carries), one shift reads
+    it. Exact: equal to ``avg_pool2d`` of the 0/1 floats (f*f is a power of two).
+    """
+    b, c, h, w = mask.shape
+    word = min(factor, 8)
+    dtype, ones, shift = _WORD[word]
+    words = mask.contiguous().view(torch.uint8).view(dtype)  # (B, C, H, W / word)
+    sums = (words * ones) >> shift
+    if factor > word:
+        sums = sums.view(b, c, h, w // factor, factor // word).sum(-1, dtype=torch.int32)
+    sums = sums.view(b, c, h // factor, factor, w // factor).sum(3, dtype=torch.int32)
+    return sums.float().div_(factor * factor)
 
 
 def _pyramid(images: Tensor, first: int, last: int) -> list[Tensor | None]:

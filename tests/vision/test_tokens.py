@@ -121,3 +121,15 @@ def test_horse_mask_round_trip_dice_at_1024_tokens() -> None:
     small = AdaptivePatcher(APFConfig(patch_size=8, length=64))(mask[:, None].float(), mask)
     assert small.targets is not None
     assert float(dice_score(small.to_image(small.targets) > 0.5, mask)[0]) < dice
+
+
+@pytest.mark.parametrize("f", [2, 4, 8, 16])
+def test_bool_masks_pool_exactly_by_byte_counting(f: int) -> None:
+    """Pooling a bool mask by counting bytes equals avg_pool2d of its 0/1 floats, bit for bit."""
+    from slipstream.vision.tokens import _pool_strips
+
+    g = torch.Generator().manual_seed(f)
+    for p in (0.0, 0.3, 1.0):
+        m = torch.rand(2, 1, 64, 128, generator=g) < p
+        for x in (m, m[:, :, :, :64]):  # contiguous and strided
+            assert torch.equal(_pool_strips(x, f), F.avg_pool2d(x.float(), f))
