@@ -39,3 +39,12 @@ def test_checkpoint_example_resumes_at_another_world_size_and_stage(tmp_path):
     line = next(t for t in text.splitlines() if t.startswith("resumed"))
     got, saved = line.split("probe loss ")[1].split(" (saved: ")
     assert got == saved.rstrip(")"), line
+
+
+def test_pipeline_example_trains_and_shows_its_schedule():
+    """examples/pipeline_gpt.py on 2 ranks (PP=2, interleaved): timeline, falling loss."""
+    script = str(ROOT / "examples" / "pipeline_gpt.py")
+    text = _run(script, "--schedule", "interleaved", "--steps", "6", nproc=2)
+    assert "interleaved: p=2 v=2 m=4" in text and "bubble=0.111" in text
+    losses = [float(t.split("loss ")[1]) for t in text.splitlines() if t.startswith("step ")]
+    assert len(losses) == 6 and losses[-1] < losses[0]
