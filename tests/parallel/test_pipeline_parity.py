@@ -34,6 +34,9 @@ WORLD4 = {
     "pp2dp2_zero1_m2": dict(pp=2, schedule="1f1b", micro_batches=2, stage=1),
     "pp2dp2_zero2_m4": dict(pp=2, schedule="1f1b", micro_batches=4, stage=2),
     "pp2dp2_zero2_tied_m4": dict(pp=2, schedule="1f1b", micro_batches=4, stage=2, tie=True),
+    "pp2dp2_zero2_interleaved_m4": dict(
+        pp=2, schedule="interleaved", micro_batches=4, virtual=2, stage=2
+    ),
     "pp2dp2_zero1_tied_interleaved": dict(
         pp=2, schedule="interleaved", micro_batches=2, virtual=2, stage=1, tie=True
     ),
