@@ -107,6 +107,9 @@ class FrozenInt8:
 
 def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     units = [("", model)]
+    own = getattr(model, "zero3_units", None)  # a model may name its units (PipelineModule)
+    if callable(own):
+        units.extend(own())
     for name, mod in model.named_modules():
         if name and getattr(mod, _LEAF_ATTR, False):
             units.append((name, mod))

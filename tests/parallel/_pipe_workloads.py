@@ -19,6 +19,7 @@ from slipstream.parallel.pipeline.gpt import (
 )
 from slipstream.parallel.tensor import is_tp_sharded, unshard_tp
 from slipstream.pipe import PipelineModule
+from slipstream.zero import GatheredParameters
 
 VOCAB, SEQ, MICRO, STEPS, LAYERS = 64, 16, 2, 5, 6
 LR = 0.1
@@ -103,7 +104,8 @@ def pipeline_run(
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": micro_batches,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "zero_optimization": {"stage": stage},
+        # ZeRO-3: shard every layer (tiny layers would otherwise stay whole, "persistent")
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "pipeline": {
             "schedule": schedule,
             "virtual_stages": virtual,
@@ -118,11 +120,13 @@ def pipeline_run(
     comm_counters.stats.clear()
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     pp_send_bytes = comm_counters.stats[("pp", "send")].bytes
+    released = sum(p.untyped_storage().size() == 0 for p in module.parameters())
     tp_group = engine.mesh.get_group("tp")
-    params = {
-        gpt_parameter_name(n, LAYERS): unshard_tp(p, tp_group).clone()
-        for n, p in module.named_parameters()
-    }
+    with GatheredParameters(list(module.parameters())):  # ZeRO-3: full values (else no-op)
+        params = {
+            gpt_parameter_name(n, LAYERS): unshard_tp(p, tp_group).clone()
+            for n, p in module.named_parameters()
+        }
     sharded = [
         gpt_parameter_name(n, LAYERS) for n, p in module.named_parameters() if is_tp_sharded(p)
     ]
@@ -133,6 +137,8 @@ def pipeline_run(
         "params": params,
         "tp_sharded": sharded,
         "pp_send_bytes": pp_send_bytes,
+        "released": released,  # ZeRO-3: parameters whose full storage is freed between uses
+        "num_params": len(list(module.parameters())),
         "peak_in_flight": stats.peak_in_flight,
         "peak_bytes": stats.peak_bytes,
     }

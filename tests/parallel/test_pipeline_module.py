@@ -177,9 +177,3 @@ def test_pipeline_config_errors(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         slipstream.initialize(model=_gpt_module(**module_kwargs), config=_config(2, **pipeline))
-
-
-def test_zero3_with_pipeline_is_refused() -> None:
-    config = _config(2) | {"zero_optimization": {"stage": 3}}
-    with pytest.raises(ConfigError, match="ZeRO stage 3 is not supported"):
-        slipstream.initialize(model=_gpt_module(), config=config)

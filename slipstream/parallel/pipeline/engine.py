@@ -74,7 +74,7 @@ class PipelineEngine(Engine):
     need none. ``train_batch`` reads ``gradient_accumulation_steps`` micro-batches.
 
     Raises:
-        ConfigError: ZeRO stage 3, or a ``pipeline`` config block that disagrees with the
+        ConfigError: a ``pipeline`` config block that disagrees with the
             module (stages, virtual stages).
     """
 
@@ -476,11 +476,6 @@ class _Run:
 
 
 def _check_config(module: PipelineModule, config: SlipstreamConfig) -> None:
-    if config.zero_optimization.stage == 3:
-        raise ConfigError(
-            "pipeline with ZeRO stage 3 is not supported: use zero_optimization.stage 1 or 2 "
-            "(each stage already holds only its own layers)"
-        )
     pipe = config.pipeline
     if pipe.partition not in ("best", module.partition_method):
         raise ConfigError(

@@ -327,6 +327,12 @@ class PipelineModule(nn.Module):
             out.append(p)
         return out
 
+    def zero3_units(self) -> list[tuple[str, nn.Module]]:
+        """ZeRO-3 gathers each layer this stage holds as one unit, just before it runs (asked
+        when ZeRO shards the model, after tensor parallelism replaced any layers)."""
+        units = [(n, m) for n, m in self.named_children() if n != "tied_modules"]
+        return units + [(f"tied_modules.{k}", m) for k, m in self.tied_modules.items()]
+
     # ------------------------------------------------------------------- tensor parallel
     def tp_plan(self) -> TPPlan:
         """The tensor-parallel split of this stage's layers (``parallelize_tp_`` asks).
@@ -410,7 +416,16 @@ class _Layer:
 
     def __call__(self, x: Any) -> Any:
         module = self.table[self.name]
-        return module(x) if self.forward_fn is None else self.forward_fn(module, x)
+        if self.forward_fn is None:
+            return module(x)
+        # Through module(...) so its hooks run (ZeRO-3 gathers the module's parameters in a
+        # forward pre-hook): forward_fn stands in for its forward during this call.
+        forward_fn = self.forward_fn
+        module.forward = lambda inp: forward_fn(module, inp)
+        try:
+            return module(x)
+        finally:
+            del module.forward
 
 
 def _run(fns: Sequence[Callable[[Any], Any]], x: Any) -> Any:
