@@ -1,6 +1,6 @@
-"""Pipeline checkpoints reshard: saved at PP=2 with ZeRO-1 (tied embedding on both stages,
-written once), resumed at PP=4 with ZeRO-2, training continues exactly (DeepSpeed's
-pipeline checkpoints load only at the same pipeline layout)."""
+"""Pipeline checkpoints reshard: saved at PP=2 x DP=2 with ZeRO-3 (every layer sharded; tied
+embedding on both stages, written once), resumed at PP=4 with ZeRO-2, training continues
+exactly (DeepSpeed's pipeline checkpoints load only at the same pipeline layout)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _engine(pp: int, stage: int) -> tuple[Any, Any]:
         "train_micro_batch_size_per_gpu": w.MICRO,
         "gradient_accumulation_steps": m,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     engine, *_ = slipstream.initialize(model=module, config=config)
     data = w.micro_iter(m, dp, dist.get_rank(dp_group(engine.mesh)))
@@ -39,7 +39,7 @@ def _engine(pp: int, stage: int) -> tuple[Any, Any]:
 
 
 def save_then_continue(path: str) -> list[float]:
-    engine, data = _engine(pp=2, stage=1)
+    engine, data = _engine(pp=2, stage=3)
     for _ in range(2):
         engine.train_batch(data)
     engine.save_checkpoint(path, tag="step2")
@@ -54,8 +54,8 @@ def load_and_continue(path: str) -> list[float]:
     return [engine.train_batch(data).item() for _ in range(3)]
 
 
-def test_pp2_checkpoint_resumes_at_pp4(tmp_path: Path) -> None:
-    before = run_world(save_then_continue, 2, str(tmp_path))
+def test_pp2_dp2_zero3_checkpoint_resumes_at_pp4(tmp_path: Path) -> None:
+    before = run_world(save_then_continue, 4, str(tmp_path))
     after = run_world(load_and_continue, 4, str(tmp_path))
     for losses in after:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(before[0]), rtol=1e-5, atol=0)
