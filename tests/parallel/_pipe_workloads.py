@@ -53,7 +53,9 @@ def global_batches(batch: int, steps: int = STEPS) -> list[tuple[torch.Tensor, t
     return out
 
 
-def reference_run(micro_batches: int, dp: int, tie: bool = False) -> dict[str, Any]:
+def reference_run(
+    micro_batches: int, dp: int, tie: bool = False, clip: float = 0.0
+) -> dict[str, Any]:
     """Plain single-process training on the same global batches."""
     model = reference_model(tie)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -62,6 +64,8 @@ def reference_run(micro_batches: int, dp: int, tie: bool = False) -> dict[str, A
         loss = model(x, y)
         opt.zero_grad()
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return {
@@ -89,6 +93,7 @@ def pipeline_run(
     steps: int = STEPS,
     tp: int = 1,
     partitioned: bool = True,
+    clip: float = 0.0,
 ) -> dict[str, Any]:
     """Train the pipeline GPT through slipstream.initialize; this stage's GPT-named params."""
     module = PipelineModule(
@@ -104,6 +109,7 @@ def pipeline_run(
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": micro_batches,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "gradient_clipping": clip,
         # ZeRO-3: shard every layer (tiny layers would otherwise stay whole, "persistent")
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "pipeline": {

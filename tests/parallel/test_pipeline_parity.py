@@ -22,6 +22,7 @@ WORLD2 = {
     "interleaved_m4": dict(pp=2, schedule="interleaved", micro_batches=4, virtual=2),
     "tied_1f1b_m4": dict(pp=2, schedule="1f1b", micro_batches=4, tie=True),
     "ckpt_1f1b_m4": dict(pp=2, schedule="1f1b", micro_batches=4, ckpt=2),
+    "tied_clip_1f1b_m4": dict(pp=2, schedule="1f1b", micro_batches=4, tie=True, clip=0.05),
 }
 WORLD4 = {
     "pp4_gpipe_m4": dict(pp=4, schedule="gpipe", micro_batches=4),
@@ -39,7 +40,7 @@ WORLD4 = {
     "pp2dp2_zero1_tied_interleaved": dict(
         pp=2, schedule="interleaved", micro_batches=2, virtual=2, stage=1, tie=True
     ),
-    "pp2dp2_zero3_1f1b_m4": dict(pp=2, schedule="1f1b", micro_batches=4, stage=3),
+    "pp2dp2_zero3_1f1b_m4": dict(pp=2, schedule="1f1b", micro_batches=4, stage=3, clip=0.05),
     "pp2dp2_zero3_tied_interleaved": dict(
         pp=2, schedule="interleaved", micro_batches=2, virtual=2, stage=3, tie=True
     ),
@@ -102,7 +103,7 @@ def world8() -> list[dict[str, Any]]:
 def _check_parity(results: list[dict[str, Any]], name: str, kw: dict[str, Any]) -> None:
     pp, tp = kw["pp"], kw.get("tp", 1)
     dp = len(results) // (pp * tp)
-    ref = w.reference_run(kw["micro_batches"], dp, kw.get("tie", False))
+    ref = w.reference_run(kw["micro_batches"], dp, kw.get("tie", False), kw.get("clip", 0.0))
     seen: set[str] = set()
     for rank, res in enumerate(results):
         got = res[name]
