@@ -177,3 +177,40 @@ def test_pipeline_config_errors(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         slipstream.initialize(model=_gpt_module(**module_kwargs), config=_config(2, **pipeline))
+
+
+def test_eval_options_and_batch_fn() -> None:
+    """DeepSpeed's eval_batch(reduce_output=None, bcast_loss=...) and set_batch_fn."""
+    m = 2
+    engine, *_ = slipstream.initialize(model=_gpt_module(), config=_config(m))
+    x, y = w.global_batches(w.MICRO * m)[0]
+    dicts = [
+        {"ids": x[i * w.MICRO : (i + 1) * w.MICRO], "labels": y[i * w.MICRO : (i + 1) * w.MICRO]}
+        for i in range(m)
+    ]
+    engine.set_batch_fn(lambda b: (b["ids"], b["labels"]))
+    per = engine.eval_batch(iter(dicts), reduce_output=None)
+    avg = engine.eval_batch(iter(dicts), bcast_loss=False)
+    assert per.shape == (m,) and per[0] != per[1]
+    torch.testing.assert_close(per.mean(), avg)
+    with pytest.raises(ValueError, match="reduce_output='sum'"):
+        engine.eval_batch(iter(dicts), reduce_output="sum")
+    assert torch.isfinite(engine.train_batch(iter(dicts)))  # the batch fn feeds training too
+    engine.destroy()
+
+
+def test_checkpointable_layers_limit_recompute() -> None:
+    """activation_checkpoint_interval=1 recomputes every layer; checkpointable_layers keeps
+    the others' activations: saved bytes none > blocks only > all, same loss."""
+    results = {}
+    for name, kwargs in {
+        "none": {},
+        "blocks": {"activation_checkpoint_interval": 1, "checkpointable_layers": ["GPTBlockLayer"]},
+        "all": {"activation_checkpoint_interval": 1},
+    }.items():
+        engine, *_ = slipstream.initialize(model=_gpt_module(**kwargs), config=_config(1))
+        loss = engine.train_batch(w.micro_iter(1, 1, 0))
+        results[name] = (loss.item(), engine.activation_stats.peak_bytes)
+        engine.destroy()
+    assert results["none"][0] == results["blocks"][0] == results["all"][0]
+    assert results["none"][1] > results["blocks"][1] > results["all"][1]

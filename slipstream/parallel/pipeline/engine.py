@@ -11,7 +11,7 @@ step stay in the ZeRO optimizer, as in the base ``Engine``; the optimizer steps 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,7 @@ class PipelineEngine(Engine):
         """Share of the last ``train_batch`` this rank spent computing (not waiting)."""
         self._allowed = False
         self._data_iter: Iterator[Any] | None = None
+        self._batch_fn: Callable[[Any], Any] | None = None
         self._tied_grads: dict[str, torch.Tensor] = {}
         self._tied_hooks = [
             p.register_hook(self._tied_hook(key))
@@ -128,6 +129,11 @@ class PipelineEngine(Engine):
 
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Apply ``fn`` to every micro-batch read from the data iterator (before it is
+        split into inputs and labels), as DeepSpeed's ``set_batch_fn``."""
+        self._batch_fn = fn
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator ``train_batch()`` reads when called without one."""
@@ -212,6 +218,7 @@ class PipelineEngine(Engine):
         self.last_busy_fraction = busy / max(time.perf_counter() - start, 1e-9)
         self._reduce_tied_grads(opt)
         loss = self._mean_loss(run.losses, m)
+        assert loss is not None
         self._last_loss = loss
         self._allowed = True
         try:
@@ -227,15 +234,27 @@ class PipelineEngine(Engine):
         data_iter: Iterator[Any] | None = None,
         return_logits: bool = False,
         compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
         num_micro_batches: int | None = None,
     ) -> Any:
         """Forward ``num_micro_batches`` (default: accumulation steps) micro-batches.
 
+        Args:
+            reduce_output: "avg" (the mean over micro-batches) or None (a [micro-batches]
+                tensor of per-micro-batch losses); either averaged over data-parallel ranks.
+            bcast_loss: send the loss to every stage (else only the last stage has it).
         Returns:
-            The mean loss (same tensor on every rank) when ``compute_loss`` and the module has
-            a ``loss_fn``, else None; with ``return_logits`` a pair ``(loss, outputs)`` where
-            ``outputs`` lists the last stage's per-micro-batch outputs (None on other stages).
+            The loss when ``compute_loss`` and the module has a ``loss_fn`` (None on other
+            stages without ``bcast_loss``), else None; with ``return_logits`` a pair
+            ``(loss, outputs)`` where ``outputs`` lists the last stage's per-micro-batch
+            outputs (None on other stages).
         """
+        if reduce_output not in ("avg", None):
+            raise ValueError(
+                f"eval_batch(reduce_output={reduce_output!r}): use 'avg' (mean over "
+                "micro-batches) or None (one loss per micro-batch)"
+            )
         self.module.eval()
         m = num_micro_batches or self.micro_batches
         data = self._take(data_iter, m)
@@ -245,7 +264,7 @@ class PipelineEngine(Engine):
         self.channel.flush()
         loss = None
         if compute_loss and self.pipe_module.loss_fn is not None:
-            loss = self._mean_loss(run.losses, m)
+            loss = self._mean_loss(run.losses, m, reduce_output, bcast_loss)
         if return_logits:
             return loss, (run.outputs if self.is_last_stage() else None)
         return loss
@@ -301,6 +320,8 @@ class PipelineEngine(Engine):
                     f"the data iterator ran out after {i} of {m} micro-batches "
                     "(gradient_accumulation_steps): give it enough micro-batches"
                 ) from None
+            if self._batch_fn is not None:
+                batch = self._batch_fn(batch)
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise PipelineError(
                     f"a pipeline micro-batch must be an (inputs, labels) pair, got "
@@ -309,15 +330,26 @@ class PipelineEngine(Engine):
             out.append(_to_device(batch, self.device))
         return out
 
-    def _mean_loss(self, losses: list[torch.Tensor], m: int) -> torch.Tensor:
-        """Mean over micro-batches and data-parallel ranks, broadcast from the last stage."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+    def _mean_loss(
+        self,
+        losses: list[torch.Tensor],
+        m: int,
+        reduce: str | None = "avg",
+        bcast: bool = True,
+    ) -> torch.Tensor | None:
+        """Mean over micro-batches ("avg"; None keeps one per micro-batch) and data-parallel
+        ranks, broadcast from the last stage (``bcast``)."""
+        shape = () if reduce == "avg" else (m,)
+        total = torch.zeros(shape, dtype=torch.float32, device=self.device)
         if self.is_last_stage():
-            total = torch.stack([x.float() for x in losses]).mean()
+            total = torch.stack([x.float() for x in losses])
+            total = total.mean() if reduce == "avg" else total
             dp_group = self.optimizer.group if self.optimizer is not None else None
             if dp_group is not None and comm.get_world_size(dp_group) > 1:
                 comm.all_reduce(total, group=dp_group, label="pipe_loss")
                 total /= comm.get_world_size(dp_group)
+        if not bcast:
+            return total if self.is_last_stage() else None
         if self.num_stages > 1:
             src = comm.global_rank(self.pp_group, self.num_stages - 1)
             comm.broadcast(total, src=src, group=self.pp_group, label="pipe_loss")

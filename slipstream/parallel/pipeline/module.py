@@ -153,6 +153,9 @@ class PipelineModule(nn.Module):
             (initialization then does not depend on the partitioning).
         base_seed: see ``seed_layers``.
         topology: accepted for DeepSpeed compatibility; only None.
+        checkpointable_layers: class names of the layers that may be recomputed; a run of
+            ``activation_checkpoint_interval`` layers is recomputed only if all of its layers
+            are listed (None: every layer may be).
     Raises:
         ConfigError: ``num_stages`` does not divide the world, fewer layers than
             ``num_stages * virtual_stages``, an unknown partition method or a regex that
@@ -171,6 +174,7 @@ class PipelineModule(nn.Module):
         seed_layers: bool = False,
         base_seed: int = 1234,
         topology: Any = None,
+        checkpointable_layers: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if topology is not None:
@@ -201,6 +205,9 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.partition_method = partition_method
         self.seed_layers = seed_layers
+        self.checkpointable_layers = (
+            None if checkpointable_layers is None else set(checkpointable_layers)
+        )
         self.stage_size = world // num_stages  # ranks per stage
         self.stage_id = comm.get_rank() // self.stage_size
         chunks = num_stages * virtual_stages
@@ -391,9 +398,18 @@ class PipelineModule(nn.Module):
         if interval <= 0 or not torch.is_grad_enabled():
             return _run(fns, inputs)
         x = inputs
+        layers = self._chunk_layers[chunk]
         for start in range(0, len(fns), interval):
-            x = _checkpointed(fns[start : start + interval], x)
+            run = fns[start : start + interval]
+            if self._checkpointable(layers[start : start + interval]):
+                x = _checkpointed(run, x)
+            else:
+                x = _run(run, x)
         return x
+
+    def _checkpointable(self, indices: Sequence[int]) -> bool:
+        allowed = self.checkpointable_layers
+        return allowed is None or all(_type_name(self.layer_list[i]) in allowed for i in indices)
 
     def forward(self, inputs: Any) -> Any:
         """Run every layer this rank holds, chunk after chunk (the whole model when
