@@ -212,7 +212,19 @@ _SAVE_OPS = {
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # An attention kernel with dropout draws random numbers: skipping it in the recompute
+    # would shift every later draw (other dropout masks would change), so it is recomputed.
+    if op in _SAVE_OPS and _dropout_p(op, args, kwargs) == 0.0:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _dropout_p(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[i] if i < len(args) else arg.default_value)
+            return float(value or 0.0)
+    return 0.0
 
 
 def _selective(function: Callable[..., Any], *args: Any) -> Any:

@@ -147,3 +147,18 @@ def test_configure_surface_and_errors() -> None:
         checkpointing.configure(None, contiguous_checkpointing=True)
     checkpointing.reset()
     assert not checkpointing.is_configured()
+
+
+def test_selective_recomputes_attention_with_dropout() -> None:
+    """Attention kernels are kept unless they apply dropout: skipping a random op in the
+    recompute would shift later dropout masks (seen on CUDA: gradients 3e-2 off)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(1, 2, 4, 8)
+    policy = checkpointing._save_matmuls
+    assert policy(None, op, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, op, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, op, q, q, q, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, op, q, q, q) == CheckpointPolicy.MUST_SAVE  # schema default 0.0
+    assert policy(None, torch.ops.aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
