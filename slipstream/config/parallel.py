@@ -90,7 +90,8 @@ class ActivationCheckpointingConfig(StrictModel):
     """Log the time spent in checkpointed forwards and recomputes."""
     selective: bool = False
     """(slipstream) Selective recompute: keep the outputs of matrix multiplications and
-    attention, recompute only the cheap elementwise ops and norms in backward."""
+    attention (without dropout), recompute only the cheap elementwise ops and norms in
+    backward."""
 
 
 def check_parallel_config(pipe: PipelineConfig) -> None:
