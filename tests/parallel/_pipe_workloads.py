@@ -94,6 +94,7 @@ def pipeline_run(
     tp: int = 1,
     partitioned: bool = True,
     clip: float = 0.0,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """Train the pipeline GPT through slipstream.initialize; this stage's GPT-named params."""
     module = PipelineModule(
@@ -120,6 +121,8 @@ def pipeline_run(
         },
         "tensor_parallel": {"autotp_size": tp},
     }
+    if precision is not None:
+        config[precision] = {"enabled": True}
     engine, *_ = slipstream.initialize(model=module, config=config)
     dp_rank = dist.get_rank(dp_group(engine.mesh))
     it = micro_iter(micro_batches, dp, dp_rank)
