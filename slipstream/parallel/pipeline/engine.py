@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,7 +113,8 @@ class PipelineEngine(Engine):
         self.channel = StageChannel(self.pp_group, device, tp_group, partitioned)
         self.activation_stats = ActivationStats()
         self.last_busy_fraction: float | None = None
-        """Share of the last ``train_batch`` this rank spent computing (not waiting)."""
+        """Share of the last ``train_batch`` this rank spent computing (not waiting): host
+        time on the CPU, CUDA event time on a GPU."""
         self._allowed = False
         self._data_iter: Iterator[Any] | None = None
         self._batch_fn: Callable[[Any], Any] | None = None
@@ -206,16 +208,17 @@ class PipelineEngine(Engine):
         steps = sched.steps[self.stage_id]
         last_backward = max(i for i, x in enumerate(steps) if x.op == "backward")
         run = _Run(self, data, train=True)
-        start, busy = time.perf_counter(), 0.0
+        clock = _Clock(self.device)
         for n, ins in enumerate(steps):
             if ins.op == "backward":
                 opt.reducer.sync = n == last_backward
-            t0 = time.perf_counter()
-            run.execute(ins)
             if ins.op in ("forward", "backward"):
-                busy += time.perf_counter() - t0
+                with clock.busy():
+                    run.execute(ins)
+            else:
+                run.execute(ins)
         self.channel.flush()
-        self.last_busy_fraction = busy / max(time.perf_counter() - start, 1e-9)
+        self.last_busy_fraction = clock.busy_fraction()
         self._reduce_tied_grads(opt)
         loss = self._mean_loss(run.losses, m)
         assert loss is not None
@@ -392,6 +395,40 @@ class PipelineEngine(Engine):
                     shard = opt.reducer.grad_shard(bucket.index)
                     shard[start - lo : stop - lo] += flat[start - off : stop - off].to(shard.dtype)
         self._tied_grads = {}
+
+
+class _Clock:
+    """Compute time against wall time of one ``train_batch``: host timers on the CPU, CUDA
+    events on a GPU (whose kernels run asynchronously to the host)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+        self.start = self._mark()
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        begin = self._mark()
+        yield
+        self.spans.append((begin, self._mark()))
+
+    def busy_fraction(self) -> float:
+        end = self._mark()
+        if self.cuda:
+            end.synchronize()
+            total = self.start.elapsed_time(end)
+            busy = sum(a.elapsed_time(b) for a, b in self.spans)
+        else:
+            total = end - self.start
+            busy = sum(b - a for a, b in self.spans)
+        return float(busy / max(total, 1e-9))
 
 
 class _Run:
