@@ -2,16 +2,18 @@
 
 ``import slipstream as deepspeed`` keeps DeepSpeed scripts working: ``initialize``,
 ``init_distributed``, ``comm``, ``checkpointing`` (activation checkpointing),
-``add_config_arguments``, ``slipstream.pipe`` (pipeline modules) and the engine's methods.
+``add_config_arguments``, ``slipstream.pipe`` and ``slipstream.PipelineModule`` (pipeline
+modules) and the engine's methods.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from slipstream import checkpointing, comm, zero
+from slipstream import checkpointing, comm, pipe, zero
 from slipstream.config import ConfigError, SlipstreamConfig
 from slipstream.distributed.comm import init_distributed
+from slipstream.pipe import PipelineModule
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
 from slipstream.version import __version__
@@ -28,6 +30,7 @@ __all__ = [
     "DeepSpeedConfig",
     "DeepSpeedEngine",
     "Engine",
+    "PipelineModule",
     "SlipstreamConfig",
     "__version__",
     "add_config_arguments",
@@ -35,6 +38,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "pipe",
     "zero",
 ]
 

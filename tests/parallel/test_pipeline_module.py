@@ -214,3 +214,12 @@ def test_checkpointable_layers_limit_recompute() -> None:
         engine.destroy()
     assert results["none"][0] == results["blocks"][0] == results["all"][0]
     assert results["none"][1] > results["blocks"][1] > results["all"][1]
+
+
+def test_deepspeed_pipe_names() -> None:
+    """``import slipstream as deepspeed`` reaches the pipeline names DeepSpeed scripts use."""
+    import slipstream as deepspeed
+
+    assert deepspeed.pipe.PipelineModule is deepspeed.PipelineModule is PipelineModule
+    assert deepspeed.pipe.LayerSpec is LayerSpec
+    assert deepspeed.pipe.TiedLayerSpec.__mro__[1] is LayerSpec
