@@ -73,13 +73,14 @@ def main() -> None:
     for step in range(args.steps):
         loss = engine.train_batch(data)  # the same mean loss on every rank
         if rank == 0:
-            print(f"step {step}: loss {loss.item():.4f}")
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
     stats = engine.activation_stats
     if rank % (dist.get_world_size() // args.stages) == 0:  # one line per stage
         print(
             f"rank {rank} stage {engine.stage_id}: layers {module.stage_layers()}, at most "
             f"{stats.peak_in_flight} micro-batches in flight, {stats.peak_bytes / 2**20:.1f} "
-            f"MiB of saved activations, idle {1 - (engine.last_busy_fraction or 0):.2f}"
+            f"MiB of saved activations, idle {1 - (engine.last_busy_fraction or 0):.2f}",
+            flush=True,
         )
     engine.destroy()
 

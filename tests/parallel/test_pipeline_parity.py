@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_world
+from tests.distributed.parity import assert_same_training
 from tests.parallel import _pipe_workloads as w
 
 WORLD2 = {
@@ -108,19 +109,8 @@ def _check_parity(results: list[dict[str, Any]], name: str, kw: dict[str, Any]) 
     ref = w.reference_run(kw["micro_batches"], dp, kw.get("tie", False), kw.get("clip", 0.0))
     seen: set[str] = set()
     for rank, res in enumerate(results):
-        got = res[name]
-        torch.testing.assert_close(
-            torch.tensor(got["losses"]),
-            torch.tensor(ref["losses"]),
-            rtol=1e-5,
-            atol=0,
-            msg=lambda m, r=rank: f"{name} rank {r}: losses differ: {m}",
-        )
-        for n, p in got["params"].items():
-            torch.testing.assert_close(
-                p, ref["params"][n], rtol=1e-4, atol=2e-6, msg=lambda m, n=n: f"{name} {n}: {m}"
-            )
-            seen.add(n)
+        assert_same_training(res[name], ref, f"{name} rank {rank}")
+        seen.update(res[name]["params"])
     missing = set(ref["params"]) - seen - ({"lm_head.weight"} if kw.get("tie") else set())
     assert not missing, f"{name}: parameters held by no stage: {missing}"
     if tp > 1:  # really split: every projection, the embedding and the head (vocab-parallel)

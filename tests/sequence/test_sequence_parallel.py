@@ -7,6 +7,7 @@ import torch
 
 from slipstream.sequence import check_heads, shard_sequence
 from tests.distributed.harness import run_world
+from tests.distributed.parity import assert_same_training
 from tests.sequence import _workloads as w
 
 # (method, causal, heads, kv heads); at P=2 kv=1 exercises KV replication (kv < P).
@@ -83,21 +84,8 @@ def _check_training(per_rank, runs, references, world):
         kind, _, _, sp, batch = run
         got, ref = per_rank[0]["training"][run], references[(kind, batch)]
         assert got["shapes"] == [(batch * sp // world, w.SEQ // sp)], got["shapes"]
-        torch.testing.assert_close(
-            torch.tensor(got["losses"]),
-            torch.tensor(ref["losses"]),
-            rtol=1e-5,
-            atol=0,
-            msg=lambda m, run=run: f"world {world} {run} losses: {m}",
-        )
-        for name, p in ref["params"].items():
-            torch.testing.assert_close(
-                got["params"][name],
-                p,
-                rtol=1e-5,
-                atol=2e-5,
-                msg=lambda m, where=(run, name): f"world {world} {where}: {m}",
-            )
+        assert got["params"].keys() == ref["params"].keys(), run
+        assert_same_training(got, ref, f"world {world} {run}", param_rtol=1e-5, param_atol=2e-5)
         for other in per_rank[1:]:
             for name, p in got["params"].items():
                 assert torch.equal(p, other["training"][run]["params"][name]), (run, name)
