@@ -40,9 +40,9 @@ class TensorParallelConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """``pipeline``: how a ``PipelineModule`` is scheduled (stages come from the module)."""
 
-    stages: int | None = Field(None, ge=1)
-    """Pipeline stages; None (or "auto") takes the ``PipelineModule``'s ``num_stages``. A
-    number must equal it."""
+    stages: int | None = Field(None, ge=1, alias="num_stages")
+    """Pipeline stages (also read as ``num_stages``); None (or "auto") takes the
+    ``PipelineModule``'s ``num_stages``. A number must equal it."""
     schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"
     """(slipstream) "1f1b" (one-forward-one-backward, DeepSpeed's only schedule), "gpipe"
     (all forwards, then all backwards: simplest, most activation memory) or "interleaved"

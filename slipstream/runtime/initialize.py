@@ -205,7 +205,7 @@ def _parallel_dims(config: Any, model: nn.Module) -> ParallelDims:
     sizes = {
         "sequence_parallel_size": raw.get("sequence_parallel_size", 1),
         "tensor_parallel.autotp_size": tp_block.get("autotp_size", 1),
-        "pipeline.stages": pipe_block.get("stages"),
+        "pipeline.stages": pipe_block.get("stages", pipe_block.get("num_stages")),
         "data_parallel_size": raw.get("data_parallel_size"),
     }
     for key, value in sizes.items():

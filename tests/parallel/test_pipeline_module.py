@@ -119,6 +119,7 @@ def test_one_stage_engine_matches_plain_training_and_evaluates() -> None:
         model=_gpt_module(),
         config=_config(
             m,
+            num_stages=1,
             partition="best",
             seed_layers=False,
             pipe_partitioned=True,
@@ -170,6 +171,7 @@ def test_one_stage_engine_matches_plain_training_and_evaluates() -> None:
             "'pipeline.stages' = 2, but the PipelineModule was built with num_stages=1",
         ),
         ({}, {"schedule": "interleaved", "virtual_stages": 2}, "'pipeline.virtual_stages' = 2"),
+        ({}, {"num_stages": 3}, "'pipeline.stages' = 3, but the PipelineModule"),
     ],
 )
 def test_pipeline_config_errors(
