@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipstream import checkpointing, comm, pipe, zero
+from slipstream import checkpointing, comm, pipe, utils, zero
 from slipstream.config import ConfigError, SlipstreamConfig
 from slipstream.distributed.comm import init_distributed
 from slipstream.pipe import PipelineModule
@@ -39,6 +39,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "pipe",
+    "utils",
     "zero",
 ]
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["ResumableDataLoader", "build_dataloader"]
+__all__ = ["RepeatingLoader", "ResumableDataLoader", "build_dataloader"]
 
 
 class _SkippingSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -108,3 +108,30 @@ def build_dataloader(
         generator=torch.Generator().manual_seed(seed),
     )
     return ResumableDataLoader(loader, sampler, micro_batch)
+
+
+class RepeatingLoader:
+    """Iterate ``loader`` forever (DeepSpeed's ``deepspeed.utils.RepeatingLoader``): when a
+    pass ends the next one starts, with the next epoch's shuffle order when ``loader`` has
+    ``set_epoch`` (DeepSpeed's repeats the same order)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.epoch = 0
+        self._it = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.epoch += 1
+            if hasattr(self.loader, "set_epoch"):
+                self.loader.set_epoch(self.epoch)
+            self._it = iter(self.loader)
+            try:
+                return next(self._it)
+            except StopIteration:
+                raise ValueError("RepeatingLoader: the loader yields no batches") from None

@@ -225,3 +225,23 @@ def test_deepspeed_pipe_names() -> None:
     assert deepspeed.pipe.PipelineModule is deepspeed.PipelineModule is PipelineModule
     assert deepspeed.pipe.LayerSpec is LayerSpec
     assert deepspeed.pipe.TiedLayerSpec.__mro__[1] is LayerSpec
+
+
+def test_train_batch_reads_the_engines_loader_epoch_after_epoch() -> None:
+    """initialize(training_data=...) then train_batch() with no iterator: the engine's own
+    loader repeats (next epoch's order) instead of running out, as in DeepSpeed."""
+    from slipstream.utils import RepeatingLoader
+
+    x, y = w.global_batches(8, steps=1)[0]  # 8 samples: one epoch = 4 micro-batches of 2
+    engine, _, loader, _ = slipstream.initialize(
+        model=_gpt_module(),
+        config=_config(2),
+        training_data=torch.utils.data.TensorDataset(x, y),
+    )
+    losses = [engine.train_batch().item() for _ in range(5)]  # 2.5 epochs
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert isinstance(engine._data_iter, RepeatingLoader) and engine._data_iter.epoch == 2
+    assert loader.sampler.epoch == 2
+    engine.destroy()
+    with pytest.raises(ValueError, match="yields no batches"):
+        next(RepeatingLoader([]))

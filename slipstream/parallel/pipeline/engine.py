@@ -30,6 +30,7 @@ from slipstream.parallel.pipeline.schedule import (
     build_schedule,
     simulate,
 )
+from slipstream.runtime.dataloader import RepeatingLoader
 from slipstream.runtime.engine import Engine
 from slipstream.zero import ZeroOptimizer
 
@@ -308,7 +309,8 @@ class PipelineEngine(Engine):
             return [None] * m
         it = data_iter if data_iter is not None else self._data_iter
         if it is None and self.training_dataloader is not None:
-            self._data_iter = it = iter(self.training_dataloader)
+            # initialize(training_data=...): epoch after epoch, as DeepSpeed's engine does
+            self._data_iter = it = RepeatingLoader(self.training_dataloader)
         if it is None:
             raise PipelineError(
                 f"pipeline stage {self.stage_id} needs data: pass data_iter= (an iterator of "
