@@ -170,3 +170,74 @@ def starved_run() -> str:
     finally:
         engine.destroy()
     return "no error"
+
+
+def _tied_linear_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {n: torch.randn(shape, generator=g) * 0.3 for n, shape in TIED_LINEAR_SHAPES.items()}
+
+
+TIED_LINEAR_SHAPES = {
+    "lin.weight": (8, 8),
+    "lin.bias": (8,),
+    "mid.weight": (8, 8),
+    "mid.bias": (8,),
+}
+
+
+def _tied_linear_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(12)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)) for _ in range(6)]
+
+
+def tied_linear_reference() -> list[float]:
+    """x -> lin -> tanh -> mid -> lin (the same weight *and* bias twice), MSE, SGD, on the
+    global batch of two micro-batches per step."""
+    w = {n: t.clone().requires_grad_(True) for n, t in _tied_linear_weights().items()}
+    opt = torch.optim.SGD(list(w.values()), lr=LR)
+    data, losses = _tied_linear_batches(), []
+    for step in range(3):
+        x = torch.cat([data[2 * step][0], data[2 * step + 1][0]])
+        y = torch.cat([data[2 * step][1], data[2 * step + 1][1]])
+        h = torch.nn.functional.linear(x, w["lin.weight"], w["lin.bias"]).tanh()
+        h = torch.nn.functional.linear(h, w["mid.weight"], w["mid.bias"])
+        out = torch.nn.functional.linear(h, w["lin.weight"], w["lin.bias"])
+        loss = ((out - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def tied_linear_run() -> list[float]:
+    """The same on PP=2: the tied Linear (weight and bias) sits on both stages."""
+    from torch import nn
+
+    from slipstream.pipe import LayerSpec, TiedLayerSpec
+
+    def tied() -> TiedLayerSpec:
+        return TiedLayerSpec("lin", nn.Linear, 8, 8, tied_weight_attr=["weight", "bias"])
+
+    layers = [tied(), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 8, 8), tied()]
+    module = PipelineModule(
+        layers,
+        num_stages=2,
+        loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+        partition_method="uniform",
+    )
+    weights = _tied_linear_weights()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            key = name.replace("tied_modules.", "").replace("2.", "mid.")
+            p.copy_(weights[key])
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+    }
+    engine, *_ = slipstream.initialize(model=module, config=config)
+    data = iter(_tied_linear_batches())
+    losses = [engine.train_batch(data).item() for _ in range(3)]
+    engine.destroy()
+    return losses

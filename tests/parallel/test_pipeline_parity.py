@@ -71,6 +71,7 @@ def _world_body(runs: dict[str, dict[str, Any]], memory: bool) -> dict[str, Any]
         for kind in ("gpipe", "1f1b"):
             out[f"mem_{kind}"] = w.pipeline_run(2, kind, MEMORY_M, steps=1)
         out["starved"] = w.starved_run()
+        out["tied_linear"] = w.tied_linear_run()
         for precision in ("bf16", "fp16"):
             out[precision] = w.pipeline_run(2, "1f1b", 4, precision=precision, clip=1.0)
     return out
@@ -187,3 +188,13 @@ def test_bf16_and_fp16_pipelines_track_fp32(world2: list[dict[str, Any]]) -> Non
                 torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0
             )
             assert all(p.dtype == dtype for p in got["params"].values())
+
+
+def test_tied_layer_with_several_shared_parameters(world2: list[dict[str, Any]]) -> None:
+    """A Linear tied across the two stages by weight *and* bias: each shared parameter's
+    gradient is summed over its copies separately (one accumulator per parameter)."""
+    ref = w.tied_linear_reference()
+    for res in world2:
+        torch.testing.assert_close(
+            torch.tensor(res["tied_linear"]), torch.tensor(ref), rtol=1e-5, atol=0
+        )

@@ -119,11 +119,12 @@ class PipelineEngine(Engine):
         self._allowed = False
         self._data_iter: Iterator[Any] | None = None
         self._batch_fn: Callable[[Any], Any] | None = None
-        self._tied_grads: dict[str, torch.Tensor] = {}
+        # One accumulator per shared parameter: (tied key, index in tied_weight_attrs).
+        self._tied_grads: dict[tuple[str, int], torch.Tensor] = {}
         self._tied_hooks = [
-            p.register_hook(self._tied_hook(key))
+            p.register_hook(self._tied_hook((key, i)))
             for key in module.tied_groups
-            for p in module.tied_parameters(key)
+            for i, p in enumerate(module.tied_parameters(key))
         ]
 
     # ---------------------------------------------------------------- DeepSpeed API
@@ -360,16 +361,16 @@ class PipelineEngine(Engine):
             comm.broadcast(total, src=src, group=self.pp_group, label="pipe_loss")
         return total
 
-    def _tied_hook(self, key: str) -> Any:
+    def _tied_hook(self, slot: tuple[str, int]) -> Any:
         """Keep a tied copy's gradient out of the ZeRO reducer (it sees zeros) and collect
-        it here: it is summed over the stages holding ``key`` after the schedule, when every
+        it here: it is summed over the stages holding the tied key after the schedule, when every
         stage has finished its backwards (a collective inside backward would deadlock the
         pipeline), then added to the reduced gradient the optimizer reads."""
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            acc = self._tied_grads.get(key)
+            acc = self._tied_grads.get(slot)
             g = grad.detach().float()
-            self._tied_grads[key] = g.clone() if acc is None else acc.add_(g)
+            self._tied_grads[slot] = g.clone() if acc is None else acc.add_(g)
             return torch.zeros_like(grad)
 
         return hook
@@ -379,8 +380,8 @@ class PipelineEngine(Engine):
         dp_size = comm.get_world_size(opt.group)
         where = {id(p): (b, off) for b in opt.buckets for off, p in zip(b.offsets, b.params)}
         for key in sorted(module.tied_groups):
-            for p in module.tied_parameters(key):
-                grad = self._tied_grads.get(key)
+            for i, p in enumerate(module.tied_parameters(key)):
+                grad = self._tied_grads.get((key, i))
                 if grad is None:
                     grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 flat = grad.reshape(-1)
