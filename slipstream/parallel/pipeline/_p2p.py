@@ -10,6 +10,7 @@ different kinds of messages (and no tags are needed, which NCCL ignores).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -59,10 +60,14 @@ class StageChannel:
         self._sends: list[tuple[Any, list[torch.Tensor]]] = []
         self._parked: dict[tuple[int, Key], tuple[list[torch.Tensor], list[bool]]] = {}
 
+    def _part_numel(self, numel: int) -> int:
+        """Elements each TP rank carries of a partitioned tensor of ``numel`` elements."""
+        return -(-numel // self.tp_size)
+
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         """This TP rank's part of flattened ``t`` (zero-padded to a multiple of tp)."""
         flat = t.reshape(-1)
-        per = -(-flat.numel() // self.tp_size)
+        per = self._part_numel(flat.numel())
         rank = comm.get_rank(self.tp_group)
         part = flat[rank * per : (rank + 1) * per]
         if part.numel() < per:
@@ -72,10 +77,7 @@ class StageChannel:
     def _gather(self, part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         full = torch.empty(part.numel() * self.tp_size, dtype=part.dtype, device=part.device)
         comm.all_gather_into_tensor(full, part, group=self.tp_group, label="pipe_partitioned")
-        numel = 1
-        for d in shape:
-            numel *= d
-        return full[:numel].view(shape)
+        return full[: math.prod(shape)].view(shape)
 
     def _rank(self, stage: int) -> int:
         return comm.global_rank(self.group, stage)
@@ -130,10 +132,7 @@ class StageChannel:
         tensors = []
         split = kind in self.partitioned
         for dtype, _, shape in shapes:
-            numel = 1
-            for d in shape:
-                numel *= d
-            size = (-(-numel // self.tp_size),) if split else shape
+            size = (self._part_numel(math.prod(shape)),) if split else shape
             t = torch.empty(size, dtype=dtype, device=self.device)
             comm.recv(t, src, self.group, f"pipe_{kind}")
             tensors.append(self._gather(t, shape) if split else t)
