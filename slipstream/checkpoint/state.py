@@ -78,10 +78,14 @@ def _tp_rank(module: nn.Module) -> int:
     return 0
 
 
-def _copy_held_elsewhere(p: torch.Tensor) -> bool:
-    """A copy of a parameter another pipeline stage holds and writes (a tied layer's
-    non-owning copy, marked by ``PipelineModule``): written once, by its owner."""
-    return bool(getattr(p, "grad_norm_duplicate", False))
+def _writes(name: str, p: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``p`` is the one written (each value goes in once):
+    replicated tensors by tensor-parallel rank 0, TP shards by every TP rank under their own
+    names, and a tied layer's non-owning copy (marked by ``PipelineModule``) by no one but
+    its owner stage."""
+    if getattr(p, "grad_norm_duplicate", False):
+        return False
+    return tp_rank == 0 or checkpoint_name(name, p) != name
 
 
 def _scalar(value: Any) -> dict[str, Any]:
@@ -103,9 +107,7 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
     # rank enters; a no-op for ordinary replicated frozen weights).
     with GatheredParameters([p for _, p in frozen]):
         for name, p in frozen:
-            if _copy_held_elsewhere(p):
-                continue
-            if lead and (tp_rank == 0 or checkpoint_name(name, p) != name):
+            if lead and _writes(name, p, tp_rank):
                 out.add(f"model/{checkpoint_name(name, p)}", 0, p.detach().clone(), p.shape)
     if lead and tp_rank == 0:
         for name, t in _buffers(module).items():
@@ -121,10 +123,7 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
         separate = master.data_ptr() != region.data_ptr()
         w = bucket.shard_slice(opt.dp_rank)
         names = [checkpoint_name(n, p) for n, p in zip(bucket.names, bucket.params)]
-        replicas = [
-            (tp_rank > 0 and n == m) or _copy_held_elsewhere(p)
-            for n, m, p in zip(names, bucket.names, bucket.params)
-        ]
+        replicas = [not _writes(n, p, tp_rank) for n, p in zip(bucket.names, bucket.params)]
         for p, off, name, skip in zip(bucket.params, bucket.offsets, names, replicas):
             s, e = max(off, w.start), min(off + p.numel(), w.stop)
             if s >= e or skip:
