@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,6 +20,7 @@ from slipstream.config.loader import load_config
 from slipstream.distributed import comm
 from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group, dp_sp_group
 from slipstream.distributed.topology import resolve_ranks_per_node
+from slipstream.parallel.pipeline import PipelineEngine, PipelineModule
 from slipstream.runtime.dataloader import build_dataloader
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.precision import LossScaler, PrecisionPolicy
@@ -333,17 +333,11 @@ def _auto_context(model: nn.Module, client_opt: torch.optim.Optimizer | None) ->
 
 
 def _is_pipeline(model: nn.Module) -> bool:
-    # A PipelineModule instance means its package was imported: no import for other models.
-    pipeline = sys.modules.get("slipstream.parallel.pipeline")
-    return pipeline is not None and isinstance(model, pipeline.PipelineModule)
+    return isinstance(model, PipelineModule)
 
 
 def _engine_class(model: nn.Module) -> type[Engine]:
-    if not _is_pipeline(model):
-        return Engine
-    from slipstream.parallel.pipeline import PipelineEngine
-
-    return PipelineEngine
+    return PipelineEngine if _is_pipeline(model) else Engine
 
 
 def _check_ranks_agree(model: nn.Module, cfg: SlipstreamConfig, group: comm.Group) -> None:
