@@ -66,6 +66,13 @@ def save_16bit_model(
     """
     from safetensors.torch import save_file
 
+    stages = int(getattr(module, "num_stages", 1))
+    if stages > 1:  # rank 0 holds one stage: it would write a partial model
+        raise ValueError(
+            f"save_16bit_model of a PipelineModule with {stages} stages is not supported: "
+            "each stage holds only its layers; use engine.save_checkpoint (it loads at any "
+            "pipeline layout, one stage included) and export from a 1-stage load"
+        )
     out = Path(save_dir)
     rank0 = comm.get_rank() == 0
     if rank0:

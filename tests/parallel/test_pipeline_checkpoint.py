@@ -59,3 +59,18 @@ def test_pp2_dp2_zero3_checkpoint_resumes_at_pp4(tmp_path: Path) -> None:
     after = run_world(load_and_continue, 4, str(tmp_path))
     for losses in after:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(before[0]), rtol=1e-5, atol=0)
+
+
+def export_refused() -> str:
+    engine, _ = _engine(pp=2, stage=1)
+    try:
+        engine.save_16bit_model("/nonexistent-dir-never-created")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_16bit_export_of_a_multi_stage_pipeline_is_refused() -> None:
+    """Rank 0 holds one stage: exporting would write a partial model, so it is refused."""
+    for msg in run_world(export_refused, 2):
+        assert "PipelineModule with 2 stages is not supported" in msg and "save_checkpoint" in msg
