@@ -73,6 +73,10 @@ class APFConfig:
     """How leaves become P x P image tokens (area = box filter; nearest = authors' apt)."""
     mask_resize: Literal["area", "nearest"] = "area"
     """How leaves become P x P mask targets (area gives soft targets in [0, 1])."""
+    backend: Literal["auto", "torch", "numba"] = "auto"
+    """CPU kernels: "numba" runs the edge pipeline (and area pooling of tokens) as fused
+    loops, "torch" as eager tensor ops (any device), "auto" numba for CPU images when it is
+    installed. Same edges and trees either way (tokens equal up to float summation order)."""
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "min_size"):
@@ -111,6 +115,10 @@ class APFConfig:
         if self.canny_norm not in ("l1", "l2"):
             raise ConfigError(
                 f"APFConfig.canny_norm={self.canny_norm!r} is unknown; use 'l1' or 'l2'"
+            )
+        if self.backend not in ("auto", "torch", "numba"):
+            raise ConfigError(
+                f"APFConfig.backend={self.backend!r} is unknown; use 'auto', 'torch' or 'numba'"
             )
         for name in ("image_resize", "mask_resize"):
             if getattr(self, name) not in ("area", "nearest"):
@@ -197,6 +205,7 @@ class AdaptivePatcher:
             high=c.canny_high,
             relative=c.canny_relative,
             norm=c.canny_norm,
+            backend=c.backend,
         )
 
     def edges(self, images: Tensor) -> Tensor:

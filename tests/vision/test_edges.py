@@ -132,3 +132,44 @@ def test_strip_wise_edge_points_equal_the_dense_pipeline(blur: int, norm: str) -
             got = edge_points(x, blur_kernel=blur, low=lo, high=hi, relative=rel, norm=norm,  # type: ignore[arg-type]
                               strip_rows=rows)  # fmt: skip
             assert torch.equal(got, ref), (rows, got.numel(), ref.numel())
+
+
+@pytest.mark.parametrize("blur", [1, 3, 7])
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_numba_edge_backend_is_bit_identical_to_torch(blur: int, norm: str) -> None:
+    """The fused numba kernel rounds exactly as the torch strips (FMA where torch fuses)."""
+    pytest.importorskip("numba")
+    from slipstream.vision import synthetic_blobs
+    from slipstream.vision.edges import edge_points
+
+    images, _ = synthetic_blobs(2, 96, seed=5)
+    ramp = torch.linspace(0, 1, 40).expand(1, 1, 40, 40) * torch.linspace(0.2, 1, 40).view(
+        1, 1, 40, 1
+    )
+    cases = [
+        (images, 100.0, 200.0, False),
+        (images[:, :, :70].contiguous(), 0.1, 0.3, True),  # non-square, relative thresholds
+        (images[:, :1] * 0.7, 20.0, 40.0, False),  # one channel
+        (torch.cat([images, torch.ones_like(images[:, :1])], 1), 100.0, 200.0, False),  # RGBA
+        (images.double(), 100.0, 200.0, False),
+        (ramp, 1.0, 2.0, False),  # equal magnitudes everywhere: the tie-breaking rules
+    ]
+    for x, lo, hi, rel in cases:
+        ref = edge_points(x, blur_kernel=blur, low=lo, high=hi, relative=rel, norm=norm,  # type: ignore[arg-type]
+                          backend="torch")  # fmt: skip
+        assert ref.numel() > 20
+        for rows in (1, 9, None):
+            got = edge_points(x, blur_kernel=blur, low=lo, high=hi, relative=rel, norm=norm,  # type: ignore[arg-type]
+                              backend="numba", strip_rows=rows)  # fmt: skip
+            assert torch.equal(got, ref), (x.shape, x.dtype, rows, got.numel(), ref.numel())
+
+
+def test_edge_backend_errors_name_the_fix() -> None:
+    from slipstream.vision.edges import edge_points, resolve_edge_backend
+
+    x = torch.rand(1, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"backend='gpu'.*'auto', 'torch' or 'numba'"):
+        edge_points(x, backend="gpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"float16.*backend='torch'"):
+        resolve_edge_backend("numba", x.half())
+    assert resolve_edge_backend("auto", x.half()) == "torch"
