@@ -4,7 +4,8 @@ Usage::
 
     python benchmarks/apf.py [--sizes 1024,4096,8192] [--length 1024] [--patch 8]
         [--sections tokens,time,prep,dice,positions] [--thresholds 50,24,12,6,3]
-        [--prep-batch 1,4,16] [--dice-steps 150] [--device cpu|cuda] [--json out.json]
+        [--prep-batch 1,4,16] [--prep-dtypes float32,uint8] [--backend auto|torch|numba]
+        [--dice-steps 150] [--device cpu|cuda] [--json out.json]
 
 Sections (all in one process, candidate and baseline in the same run):
 
@@ -22,7 +23,10 @@ Sections (all in one process, candidate and baseline in the same run):
   image and mask tokens; split into its parts for one image) as a fraction of one training
   step (forward + BCE/Dice + backward + AdamW) on its tokens, per model size and per batch
   size of ``--prep-batch`` (one call on B images vs one step on their B x L tokens); the two
-  are timed alternately and the median per-repetition ratio is reported.
+  are timed alternately and the median per-repetition ratio is reported. Once per input
+  dtype of ``--prep-dtypes``: float32 in [0, 1], and uint8 0-255 (a decoded image file as
+  it comes, a quarter of the bytes; the tokens are float32 either way). ``--backend`` picks
+  the CPU kernels (``APFConfig.backend``; "torch" shows the pure-PyTorch pipeline).
 * ``dice``: adaptive vs uniform tokens at equal budget L and patch size P, same model, same
   steps (slipstream engine), Dice at full resolution on held-out images.
 * ``positions``: slot vs slot+geometry vs geometry embeddings on adaptive tokens (first size).
@@ -119,6 +123,7 @@ def _patcher(
         lo, hi = _ihc_relative_thresholds()
         extra = dict(canny_relative=True, canny_low=lo, canny_high=hi)
     depth = (size // 2).bit_length() - 1
+    extra["backend"] = args.backend
     if variant == "threshold":
         return AdaptivePatcher(
             APFConfig(patch_size=args.patch, variant="threshold", length=None, max_depth=depth,
@@ -252,14 +257,25 @@ def section_prep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """
     rows = []
     for size in args.sizes:
-        rows += _prep_rows(size, args)
+        for dtype in args.prep_dtypes:
+            rows += _prep_rows(size, dtype, args)
     return rows
 
 
-def _prep_rows(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _as_dtype(images: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``images`` in [0, 1] as float32, or as 8-bit 0-255 (what a decoded file holds)."""
+    if dtype == "uint8":
+        return images.mul(255).round_().to(torch.uint8)
+    if dtype != "float32":
+        raise SystemExit(f"--prep-dtypes takes float32 and/or uint8, got {dtype!r}")
+    return images
+
+
+def _prep_rows(size: int, dtype: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     patcher = _patcher("synthetic", "fixed_length", args, size)
     img, mask = synthetic_blobs(1, size, seed=0, device=_DEVICE)
+    img = _as_dtype(img, dtype)
     parts = {}
     parts["edges"], points = _median_timed(lambda: patcher.edge_points(img), args.reps)
     parts["tree"], leaves = _median_timed(
@@ -268,6 +284,7 @@ def _prep_rows(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     parts["tokens"], _ = _median_timed(lambda: patcher.tokens(img, leaves, mask), args.reps)
     for nb in args.prep_batch:
         images, masks = synthetic_blobs(nb, size, seed=0, device=_DEVICE)
+        images = _as_dtype(images, dtype)
         batch = patcher(images, masks)
         for name in args.prep_models:
             cfg = ViTSegConfig.preset(name, patch_size=args.patch, max_tokens=args.length)
@@ -279,13 +296,13 @@ def _prep_rows(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                 preps.append(_timed(prep_fn)[0])
                 steps.append(_timed(step)[0])
             ratios = [p / t for p, t in zip(preps, steps)]
-            row = dict(size=size, model=name, batch=nb, prep_s=statistics.median(preps),
+            row = dict(size=size, dtype=dtype, model=name, batch=nb, prep_s=statistics.median(preps),
                        step_s=statistics.median(steps), fraction=statistics.median(ratios),
                        fraction_range=(min(ratios), max(ratios)),
                        **{f"{k}_s": v for k, v in parts.items()})  # fmt: skip
             rows.append(row)
             lo, hi = row["fraction_range"]
-            print(f"  prep    {size:>5} {name:<5} batch {nb:>2}: preprocessing {row['prep_s'] * 1e3:8.1f} ms "
+            print(f"  prep    {size:>5} {dtype:<7} {name:<5} batch {nb:>2}: preprocessing {row['prep_s'] * 1e3:8.1f} ms "
                   f"(one image: edges {parts['edges'] * 1e3:.1f}, tree {parts['tree'] * 1e3:.1f}, tokens {parts['tokens'] * 1e3:.1f})"
                   f"  step {row['step_s'] * 1e3:8.1f} ms -> {100 * row['fraction']:6.1f}% "
                   f"({100 * lo:.1f}-{100 * hi:.1f})", flush=True)  # fmt: skip
@@ -383,6 +400,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="1",
         type=lambda s: [int(x) for x in s.split(",")],
         help="images per patcher call and training step (comma list)",
+    )
+    ap.add_argument(
+        "--prep-dtypes",
+        default="float32,uint8",
+        type=lambda s: s.split(","),
+        help="input image dtypes of the prep section (float32 in [0, 1], uint8 0-255)",
+    )
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "torch", "numba"),
+        help="APFConfig.backend: CPU kernels (numba fused edges / integer pooling, or torch)",
     )
     ap.add_argument(
         "--thresholds",

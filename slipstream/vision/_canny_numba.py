@@ -50,19 +50,24 @@ def _reflect(j: int, n: int) -> int:
 
 @njit(cache=True, nogil=True)
 def _grey_hblur(img, j, luma, taps, g, out):  # type: ignore[no-untyped-def]
-    """Rounded 0-255 grey of image row ``j``, blurred along the row, into ``out``."""
+    """Rounded 0-255 grey of image row ``j``, blurred along the row, into ``out``.
+
+    ``img`` is float (compute dtype) or uint8; ``z`` (a zero of ``luma``'s dtype) converts
+    pixels to the compute dtype (exactly: every uint8 value is a float32).
+    """
     c, _, w = img.shape
     r = (taps.shape[0] - 1) // 2
+    z = luma[0] - luma[0]
     if c == 1:
         a = luma[0]
         x0 = img[0, j]
         for x in range(w):
-            g[r + x] = np.rint(x0[x] * a)
+            g[r + x] = np.rint((x0[x] + z) * a)
     else:
         a, b, cc = luma[0], luma[1], luma[2]
         x0, x1, x2 = img[0, j], img[1, j], img[2, j]
         for x in range(w):
-            g[r + x] = np.rint(_fma(x2[x], cc, _fma(x1[x], b, x0[x] * a)))
+            g[r + x] = np.rint(_fma(x2[x] + z, cc, _fma(x1[x] + z, b, (x0[x] + z) * a)))
     for k in range(r):  # reflect the columns
         g[k] = g[2 * r - k]
         g[r + w + k] = g[r + w - 2 - k]
@@ -234,7 +239,7 @@ def band_peak(
     """Largest score over rows [top, bottom) of one (C, H, W) image."""
     r = (taps.shape[0] - 1) // 2
     return float(
-        _band_peak(img, luma, taps, top, bottom, squared, *_rings(img.shape[2], r, img.dtype))
+        _band_peak(img, luma, taps, top, bottom, squared, *_rings(img.shape[2], r, luma.dtype))
     )
 
 
@@ -254,6 +259,6 @@ def band_edges(
     idx = np.empty(cap, np.int64)
     strong = np.empty(cap, np.bool_)
     n = _band_edges(
-        img, luma, taps, top, bottom, th, squared, *_rings(w, r, img.dtype), idx, strong
+        img, luma, taps, top, bottom, th, squared, *_rings(w, r, luma.dtype), idx, strong
     )
     return idx[:n], strong[:n]

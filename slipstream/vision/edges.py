@@ -47,9 +47,20 @@ EdgeBackend = Literal["auto", "torch", "numba"]
 _LUMA = (0.299, 0.587, 0.114)
 
 
-def to_grey(images: Tensor) -> Tensor:
-    """Convert ``images`` of shape (B, C, H, W), values in [0, 1], to (B, H, W) on 0-255.
+def _grey_scale(dtype: torch.dtype) -> float:
+    """Factor that puts pixel values of ``dtype`` on the 0-255 scale: floats are in [0, 1],
+    integers in [0, max] (1.0 for uint8)."""
+    if dtype.is_floating_point:
+        return 255.0
+    if dtype == torch.bool:
+        raise ValueError("images are float in [0, 1] or integer (uint8 0-255), got bool")
+    return 255.0 / torch.iinfo(dtype).max
 
+
+def to_grey(images: Tensor) -> Tensor:
+    """Convert ``images`` of shape (B, C, H, W) to (B, H, W) grey on the 0-255 scale.
+
+    Float images are in [0, 1]; integer images in [0, dtype max] (uint8: 0-255, taken as is).
     C = 1 is taken as is; C = 3 uses BT.601 luma weights; C = 4 drops alpha.
 
     Raises:
@@ -60,14 +71,15 @@ def to_grey(images: Tensor) -> Tensor:
             f"images must have shape (batch, channels, height, width) with 1, 3 or 4 channels, "
             f"got {tuple(images.shape)}; add a batch axis with images.unsqueeze(0)"
         )
+    k = _grey_scale(images.dtype)
     x = images.float() if not images.is_floating_point() else images
     if x.shape[1] == 1:
-        return x[:, 0] * 255.0
+        return x[:, 0] * k
     # Three multiply-adds, not an einsum: one pass fewer, and every pixel gets the same
     # arithmetic whatever the tensor's shape (the strip-wise pipeline relies on that).
-    grey = x[:, 0] * (_LUMA[0] * 255.0)
-    grey.add_(x[:, 1], alpha=_LUMA[1] * 255.0)
-    return grey.add_(x[:, 2], alpha=_LUMA[2] * 255.0)
+    grey = x[:, 0] * (_LUMA[0] * k)
+    grey.add_(x[:, 1], alpha=_LUMA[1] * k)
+    return grey.add_(x[:, 2], alpha=_LUMA[2] * k)
 
 
 def gaussian_kernel_sigma(kernel_size: int) -> float:
@@ -384,9 +396,9 @@ def edge_points(
     edge candidates only. ``relative`` thresholds take one extra pass for the peak gradient.
 
     ``backend``: ``"numba"`` runs grey -> blur -> Sobel -> non-maximum suppression as one
-    fused CPU loop per row (float32/float64 images; about 4x faster than the torch strips at
+    fused CPU loop per row (float32/float64/uint8 images; about 4x faster than the torch strips at
     8K on one core, see ``docs/apf.md``); ``"torch"`` is the strip pipeline above (any
-    device); ``"auto"`` picks numba for CPU float32/float64 images when it is installed
+    device); ``"auto"`` picks numba for CPU float32/float64/uint8 images when it is installed
     (``pip install numba``, part of the ``apps`` extra). Both give the same indices, bit for
     bit (tested), so the choice only changes speed. ``strip_rows`` is the band of rows one
     numba call (one thread) handles; bands run on ``torch.get_num_threads()`` threads.
@@ -400,6 +412,7 @@ def edge_points(
     radius = (blur_kernel - 1) // 2
     dev = images.device
     dtype = images.dtype if images.is_floating_point() else torch.float32
+    k = _grey_scale(images.dtype)
     if radius >= min(h, w) or min(h, w) < 3:  # the dense blur switches to replicate here
         grey = gaussian_blur(to_grey(images).round_(), kernel_size=blur_kernel)
         e = canny(grey, low, high, relative=relative, norm=norm)
@@ -432,11 +445,11 @@ def edge_points(
         grey = torch.empty((b, hi - lo, w + 2 * radius), dtype=dtype, device=dev)
         inner = grey[:, :, radius : radius + w]
         if src.shape[1] == 1:
-            torch.mul(src[:, 0], 255.0, out=inner)
+            torch.mul(src[:, 0], k, out=inner)
         else:
-            torch.mul(src[:, 0], _LUMA[0] * 255.0, out=inner)
-            inner.add_(src[:, 1], alpha=_LUMA[1] * 255.0)
-            inner.add_(src[:, 2], alpha=_LUMA[2] * 255.0)
+            torch.mul(src[:, 0], _LUMA[0] * k, out=inner)
+            inner.add_(src[:, 1], alpha=_LUMA[1] * k)
+            inner.add_(src[:, 2], alpha=_LUMA[2] * k)
         inner.round_()
         for j in range(radius):  # reflect the columns (F.pad "reflect")
             grey[:, :, j] = grey[:, :, 2 * radius - j]
@@ -493,7 +506,7 @@ def edge_points(
     return _hysteresis_sparse(idx, strong, w)
 
 
-_NUMBA_DTYPES = (torch.float32, torch.float64)
+_NUMBA_DTYPES = (torch.float32, torch.float64, torch.uint8)
 _warned_no_numba = False
 
 
@@ -502,7 +515,7 @@ def resolve_edge_backend(backend: str, images: Tensor) -> str:
 
     Raises:
         ValueError: ``backend`` is not one of "auto", "torch", "numba", or "numba" was asked
-            for images it cannot take (not on the CPU, or not float32/float64).
+            for images it cannot take (not on the CPU, or not float32/float64/uint8).
         ImportError: "numba" was asked for and numba is not installed.
     """
     global _warned_no_numba
@@ -514,7 +527,7 @@ def resolve_edge_backend(backend: str, images: Tensor) -> str:
     if backend == "numba":
         if not fits:
             raise ValueError(
-                f"the numba edge backend takes float32/float64 CPU images, got {images.dtype} "
+                f"the numba edge backend takes float32/float64/uint8 CPU images, got {images.dtype} "
                 f"on {images.device}; use backend='torch' (any device or dtype) or 'auto'"
             )
         if importlib.util.find_spec("numba") is None:
@@ -550,10 +563,11 @@ def _edge_points_numba(
     from slipstream.vision import _canny_numba as kernels
 
     b, c, h, w = images.shape
-    dtype = images.dtype
+    dtype = images.dtype if images.is_floating_point() else torch.float32  # compute dtype
     x = images.contiguous().numpy()
-    np_dtype = x.dtype
-    scale = (255.0,) if c == 1 else tuple(v * 255.0 for v in _LUMA)
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    k = _grey_scale(images.dtype)
+    scale = (k,) if c == 1 else tuple(v * k for v in _LUMA)
     luma = np.array(scale, dtype=np_dtype)  # the same float rounding as torch's scalar casts
     taps = (
         _gaussian_taps(gaussian_kernel_sigma(blur_kernel), radius, dtype, images.device).numpy()

@@ -74,9 +74,10 @@ class APFConfig:
     mask_resize: Literal["area", "nearest"] = "area"
     """How leaves become P x P mask targets (area gives soft targets in [0, 1])."""
     backend: Literal["auto", "torch", "numba"] = "auto"
-    """CPU kernels: "numba" runs the edge pipeline (and area pooling of tokens) as fused
-    loops, "torch" as eager tensor ops (any device), "auto" numba for CPU images when it is
-    installed. Same edges and trees either way (tokens equal up to float summation order)."""
+    """CPU kernels: "numba" runs the edge pipeline as one fused loop per row and pools
+    bool masks / uint8 images in integers, "torch" uses eager tensor ops (any device), "auto"
+    numba for CPU inputs when it is installed. Same edges, trees and tokens either way (bit
+    for bit; float pooling is torch's ``avg_pool2d`` in both)."""
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "min_size"):
@@ -156,7 +157,10 @@ class PatchBatch:
 
 
 class AdaptivePatcher:
-    """Turn (B, C, R, R) images in [0, 1] (and (B, R, R) masks) into adaptive token batches.
+    """Turn (B, C, R, R) images (and (B, R, R) masks) into adaptive token batches.
+
+    Images are float in [0, 1] or uint8 in 0-255 (decoded files: a quarter of the bytes, and
+    the faster input at high resolution); tokens are float in [0, 1] either way (float32 for uint8 input).
 
     Example::
 
@@ -174,6 +178,11 @@ class AdaptivePatcher:
         self.config = replace(cfg, **overrides) if overrides else cfg  # type: ignore[arg-type]
 
     def _check(self, images: Tensor, masks: Tensor | None) -> None:
+        if not (images.is_floating_point() or images.dtype == torch.uint8):
+            raise ValueError(
+                f"images must be float in [0, 1] or uint8 in 0-255, got {images.dtype}; "
+                "convert with images.float() / max_value"
+            )
         if images.dim() != 4 or images.shape[-1] != images.shape[-2]:
             raise ValueError(
                 f"images must have shape (batch, channels, R, R), got {tuple(images.shape)}; "
@@ -236,11 +245,13 @@ class AdaptivePatcher:
     def tokens(self, images: Tensor, leaves: Leaves, masks: Tensor | None = None) -> PatchBatch:
         """Tokens (and mask targets) of ``images`` for given leaves (APF step 4)."""
         c = self.config
-        tokens = extract_tokens(images, leaves, c.patch_size, c.image_resize)
+        tokens = extract_tokens(images, leaves, c.patch_size, c.image_resize, c.backend)
+        if images.dtype == torch.uint8:
+            tokens.div_(255.0)
         targets = None
         if masks is not None:
             m = masks.unsqueeze(1)  # bool is pooled strip by strip, never copied to float whole
-            targets = extract_tokens(m, leaves, c.patch_size, c.mask_resize)[:, :, 0]
+            targets = extract_tokens(m, leaves, c.patch_size, c.mask_resize, c.backend)[:, :, 0]
             targets = targets.to(tokens.dtype)
         return PatchBatch(tokens=tokens, leaves=leaves, targets=targets)
 

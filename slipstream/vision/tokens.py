@@ -20,6 +20,8 @@ Both directions are single gathers / strided writes, batched over images and lea
 
 from __future__ import annotations
 
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import torch
@@ -31,6 +33,7 @@ from slipstream.vision.quadtree import Leaves, _morton_perm
 __all__ = ["extract_tokens", "patchify", "tokens_to_image"]
 
 ResizeMode = Literal["area", "nearest"]
+PoolBackend = Literal["auto", "torch", "numba"]
 
 
 def _check_images(images: Tensor, leaves: Leaves, name: str) -> None:
@@ -46,15 +49,21 @@ def _check_images(images: Tensor, leaves: Leaves, name: str) -> None:
         )
 
 
-def _pool_strips(images: Tensor, factor: int, rows: int = 256) -> Tensor:
+def _pool_strips(
+    images: Tensor, factor: int, rows: int = 256, backend: PoolBackend = "auto"
+) -> Tensor:
     """(B, C, R/f, R/f) f x f box means of ``images`` (float, or bool / integer masks).
 
-    One pass over the full-resolution input. Non-float inputs are converted to float one row
-    strip at a time, while the strip is in cache (a whole-image ``float()`` is a 256 MB
-    allocation and two more passes over memory at 8K).
+    One pass over the full-resolution input. CPU bool/uint8 inputs go through the numba
+    integer kernel when ``backend`` allows it (see :func:`resolve_pool_backend`); other
+    non-float inputs are converted to float one row strip at a time, while the strip is in
+    cache (a whole-image ``float()`` is a 256 MB allocation and two more passes over memory
+    at 8K).
     """
     if images.is_floating_point():
         return F.avg_pool2d(images, factor)  # one pass already; strips would add copies
+    if factor > 1 and resolve_pool_backend(backend, images, factor) == "numba":
+        return _pool_numba(images, factor)
     b, c, h, w = images.shape
     if images.dtype == torch.bool and factor > 1 and w % 8 == 0:
         return _pool_bool(images, factor)
@@ -89,30 +98,97 @@ def _pool_bool(mask: Tensor, factor: int) -> Tensor:
     return sums.float().div_(factor * factor)
 
 
-def _pyramid(images: Tensor, first: int, last: int) -> list[Tensor | None]:
+_POOL_DTYPES = (torch.bool, torch.uint8)
+
+
+def resolve_pool_backend(backend: str, images: Tensor, factor: int) -> str:
+    """The kernel :func:`extract_tokens` pools ``images`` with: ``"torch"`` or ``"numba"``.
+
+    numba covers f x f means of CPU bool/uint8 tensors (masks, 8-bit images) for f a power of
+    two; everything else (floats, other devices) is torch's, whatever ``backend`` says, since
+    ``avg_pool2d`` already reads floats once. ``"auto"`` uses numba when it is installed.
+
+    Raises:
+        ValueError: ``backend`` is not one of "auto", "torch", "numba".
+        ImportError: "numba" was asked for and numba is not installed.
+    """
+    if backend not in ("auto", "torch", "numba"):
+        raise ValueError(f"backend={backend!r} is unknown; use 'auto', 'torch' or 'numba'")
+    installed = importlib.util.find_spec("numba") is not None
+    if backend == "numba" and not installed:
+        raise ImportError(
+            "backend 'numba' needs numba, which is not installed; `pip install numba` "
+            "(or slipstream[apps]) or use backend='torch'"
+        )
+    fits = (
+        images.device.type == "cpu"
+        and images.dtype in _POOL_DTYPES
+        and factor & (factor - 1) == 0
+        and images.shape[-1] % factor == 0
+        and images.shape[-2] % factor == 0
+    )
+    return "numba" if backend != "torch" and fits and installed else "torch"
+
+
+def _pool_numba(images: Tensor, factor: int) -> Tensor:
+    """f x f means of a CPU bool/uint8 (B, C, H, W) tensor by the numba integer kernel."""
+    import numpy as np  # numba's dependency, so present whenever this path runs
+
+    from slipstream.vision._pool_numba import box_means
+
+    b, c, h, w = images.shape
+    planes = images.contiguous().view(torch.uint8).view(b * c, h, w).numpy()
+    out = torch.empty((b, c, h // factor, w // factor), dtype=torch.float32)
+    dst = out.view(b * c, h // factor, w // factor).numpy()
+    # int16 holds a column sum of f bytes for f <= 128 (vectorises twice as wide as int32)
+    acc_dtype = np.int16 if factor <= 128 else np.int32
+    n_out = h // factor
+    threads = max(1, min(torch.get_num_threads(), n_out // 8))
+    bounds = [n_out * k // threads for k in range(threads + 1)]
+
+    def band(k: int) -> None:
+        box_means(planes, factor, bounds[k], bounds[k + 1], np.empty(w, acc_dtype), dst)
+
+    if threads == 1:
+        band(0)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(band, range(threads)))
+    return out
+
+
+def _pyramid(
+    images: Tensor, first: int, last: int, backend: PoolBackend = "auto"
+) -> list[Tensor | None]:
     """Average pyramid levels ``first``..``last`` flattened to (B, C, H_k * W_k); None below.
 
     Level ``first`` is one f x f box mean of the input (f = 2**first), the rest 2 x 2 means
     of the level above; level 0 is the input itself (a view).
     """
     out: list[Tensor | None] = [None] * first
-    level = images if first == 0 else _pool_strips(images, 1 << first)
+    level = images if first == 0 else _pool_strips(images, 1 << first, backend=backend)
     out.append(level.flatten(2))
     for _ in range(first, last):
-        level = F.avg_pool2d(level, 2)
+        level = _pool_strips(level, 2, backend=backend)
         out.append(level.flatten(2))
     return out
 
 
 def extract_tokens(
-    images: Tensor, leaves: Leaves, patch_size: int, mode: ResizeMode = "area"
+    images: Tensor,
+    leaves: Leaves,
+    patch_size: int,
+    mode: ResizeMode = "area",
+    backend: PoolBackend = "auto",
 ) -> Tensor:
     """Resize every leaf of ``images`` (B, C, R, R) to ``patch_size`` x ``patch_size``.
 
     Returns:
         (B, L, C, P, P) tokens in leaf order; padding leaves give all-zero tokens.
 
-    Accepts float or bool/integer images (masks); returns float32 for the latter.
+    Accepts float or bool/integer images (masks); returns float32 for the latter (values
+    unscaled: a uint8 image gives tokens in 0-255). ``backend`` picks the kernel that pools
+    bool/uint8 CPU inputs (:func:`resolve_pool_backend`); the values are the same either way.
     Memory: the pyramid levels the leaves use (at most 1/3 of ``images``) plus the tokens.
     """
     _check_images(images, leaves, "images")
@@ -127,15 +203,16 @@ def extract_tokens(
         shift = torch.where(big, (size // p).float().log2().round().long(), torch.zeros_like(size))
         used = shift[leaves.valid]
         first, last = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
-        # Only the levels some leaf reads; non-float inputs (bool masks) are converted per
-        # strip while pooling, or once at level 0 where a leaf reads full resolution.
-        levels = _pyramid(x if first else x.to(dtype), first, last)
+        # Only the levels some leaf reads; non-float inputs (bool masks, uint8 images) are
+        # pooled in integers (or per float strip), and level 0 is read as is: only the
+        # gathered token pixels are converted to float.
+        levels = _pyramid(x, first, last, backend)
         # Level-k coordinates of the token's first row/col; small leaves replicate pixels.
         y0, x0 = (leaves.y.clamp(min=0) >> shift), (leaves.x.clamp(min=0) >> shift)
         step_i = torch.where(big.unsqueeze(-1), i, (i * size.unsqueeze(-1)) // p)
         rows, cols, n = y0.unsqueeze(-1) + step_i, x0.unsqueeze(-1) + step_i, r >> shift
     elif mode == "nearest":
-        levels = [x.to(dtype).flatten(2)]
+        levels = [x.flatten(2)]
         shift, n = torch.zeros_like(size), torch.full_like(size, r)
         centre = ((2 * i + 1) * size.unsqueeze(-1)) // (2 * p)
         rows = leaves.y.clamp(min=0).unsqueeze(-1) + centre
@@ -151,7 +228,7 @@ def extract_tokens(
         if bi.numel():
             flat = index[bi, li].reshape(-1)  # one gather per pyramid level
             vals = level[bi.repeat_interleave(p * p), :, flat]  # (k * P * P, C)
-            tokens[bi, li] = vals.view(-1, p, p, c).permute(0, 3, 1, 2)
+            tokens[bi, li] = vals.view(-1, p, p, c).permute(0, 3, 1, 2).to(dtype)
     return tokens
 
 

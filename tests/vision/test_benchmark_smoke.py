@@ -18,5 +18,7 @@ def test_apf_benchmark_runs_all_sections_at_toy_size() -> None:
     assert {r["variant"] for r in out["tokens"]} == {"threshold", "fixed_length"}
     assert all(r["ratio"] >= 1 for r in out["tokens"])
     assert out["time"][0]["speedup"] > 1 and out["prep"][0]["step_s"] > 0
+    assert [r["dtype"] for r in out["prep"]] == ["float32", "uint8"]
+    assert all(r["prep_s"] > 0 for r in out["prep"])
     assert [r["arm"] for r in out["dice"]] == ["uniform", "apf"]
     assert all(0 <= r["dice"] <= 1 for r in out["dice"])

@@ -101,6 +101,10 @@ def test_grey_blur_and_argument_errors() -> None:
     """BT.601 grey on 0-255, OpenCV's sigma rule, and errors naming the bad argument."""
     rgb = torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1)
     assert torch.allclose(to_grey(rgb), torch.tensor([[[0.299 * 255]]]))
+    assert torch.allclose(to_grey((rgb * 255).to(torch.uint8)), to_grey(rgb))  # uint8: 0-255
+    assert torch.allclose(to_grey((rgb * 65535).to(torch.int32)), to_grey(rgb * 65535 / 2**31))
+    with pytest.raises(ValueError, match="got bool"):
+        to_grey(rgb > 0)
     assert gaussian_kernel_sigma(3) == pytest.approx(0.8)
     assert gaussian_kernel_sigma(5) == pytest.approx(1.1)
     with pytest.raises(ValueError, match="kernel_size=4"):
@@ -122,15 +126,17 @@ def test_strip_wise_edge_points_equal_the_dense_pipeline(blur: int, norm: str) -
     images = images[:, :, :100]  # non-square, and strips that do not divide the height
     grey1 = images[:, :1] * 0.7
     rgba = torch.cat([images, torch.ones_like(images[:, :1])], 1)
+    u8 = (images * 255).round().to(torch.uint8)
     for x, lo, hi, rel in ((images, 100.0, 200.0, False), (images, 0.1, 0.3, True),
-                           (grey1, 20.0, 40.0, False), (rgba, 100.0, 200.0, False)):  # fmt: skip
+                           (grey1, 20.0, 40.0, False), (rgba, 100.0, 200.0, False),
+                           (u8, 100.0, 200.0, False)):  # fmt: skip
         grey = gaussian_blur(to_grey(x).round(), kernel_size=blur)
         dense = canny(grey, lo, hi, relative=rel, norm=norm)  # type: ignore[arg-type]
         ref = dense.reshape(-1).nonzero().squeeze(1)
         assert ref.numel() > 50
         for rows in (1, 7, 32, None):
             got = edge_points(x, blur_kernel=blur, low=lo, high=hi, relative=rel, norm=norm,  # type: ignore[arg-type]
-                              strip_rows=rows)  # fmt: skip
+                              strip_rows=rows, backend="torch")  # fmt: skip
             assert torch.equal(got, ref), (rows, got.numel(), ref.numel())
 
 
@@ -152,6 +158,8 @@ def test_numba_edge_backend_is_bit_identical_to_torch(blur: int, norm: str) -> N
         (images[:, :1] * 0.7, 20.0, 40.0, False),  # one channel
         (torch.cat([images, torch.ones_like(images[:, :1])], 1), 100.0, 200.0, False),  # RGBA
         (images.double(), 100.0, 200.0, False),
+        ((images * 255).round().to(torch.uint8), 100.0, 200.0, False),  # 8-bit, 0-255
+        ((images[:, :1] * 255).to(torch.uint8), 0.1, 0.3, True),
         (ramp, 1.0, 2.0, False),  # equal magnitudes everywhere: the tie-breaking rules
     ]
     for x, lo, hi, rel in cases:

@@ -103,3 +103,20 @@ def test_config_and_input_errors_name_the_field_and_fix() -> None:
         patcher(torch.rand(1, 3, 48, 48))
     with pytest.raises(ValueError, match=r"masks must have shape \(batch, R, R\)"):
         patcher(torch.rand(1, 3, 64, 64), torch.zeros(1, 32, 32))
+
+
+def test_uint8_images_match_their_float_version() -> None:
+    """A uint8 image (0-255) gives the tree and tokens of the same image as floats in [0, 1]."""
+    from slipstream.vision import synthetic_blobs
+
+    images, masks = synthetic_blobs(2, 128, seed=3)
+    u8 = (images * 255).round().to(torch.uint8)
+    patcher = AdaptivePatcher(APFConfig(patch_size=8, length=64))
+    a, b = patcher(u8, masks), patcher(u8.float() / 255, masks)
+    assert torch.equal(a.leaves.size, b.leaves.size) and torch.equal(a.leaves.y, b.leaves.y)
+    assert a.tokens.dtype == torch.float32
+    torch.testing.assert_close(a.tokens, b.tokens, rtol=0, atol=1e-6)
+    assert a.targets is not None and b.targets is not None
+    assert torch.equal(a.targets, b.targets)
+    with pytest.raises(ValueError, match=r"float in \[0, 1\] or uint8.*int16"):
+        patcher(u8.to(torch.int16), masks)

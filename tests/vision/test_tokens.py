@@ -133,3 +133,35 @@ def test_bool_masks_pool_exactly_by_byte_counting(f: int) -> None:
         m = torch.rand(2, 1, 64, 128, generator=g) < p
         for x in (m, m[:, :, :, :64]):  # contiguous and strided
             assert torch.equal(_pool_strips(x, f), F.avg_pool2d(x.float(), f))
+
+
+@pytest.mark.parametrize("f", [2, 8, 32])
+def test_numba_integer_pooling_equals_torch_for_masks_and_uint8_images(f: int) -> None:
+    """The numba kernel pools bool/uint8 planes exactly as torch's avg_pool2d of their floats."""
+    pytest.importorskip("numba")
+    from slipstream.vision.tokens import _pool_strips, resolve_pool_backend
+
+    g = torch.Generator().manual_seed(f)
+    u8 = (torch.rand(2, 3, 64, 128, generator=g) * 256).to(torch.uint8)
+    u8[0, 0] = 255  # the largest column sums
+    for x in (u8, u8 > 128, u8[:, :, :, :64], u8[:, :1] > 17):  # incl. strided, one channel
+        assert resolve_pool_backend("auto", x, f) == "numba"
+        got = _pool_strips(x, f, backend="numba")
+        assert torch.equal(got, F.avg_pool2d(x.float(), f)), (x.dtype, x.shape)
+        assert torch.equal(_pool_strips(x, f, backend="torch"), got)
+    # what numba does not cover stays on torch (whatever the backend says)
+    assert resolve_pool_backend("numba", u8.float(), f) == "torch"
+    assert resolve_pool_backend("numba", u8, 3) == "torch"
+    with pytest.raises(ValueError, match=r"backend='fast'.*'auto', 'torch' or 'numba'"):
+        resolve_pool_backend("fast", u8, f)
+
+
+@pytest.mark.parametrize("mode", ["area", "nearest"])
+def test_uint8_images_give_the_tokens_of_their_float_values(mode: str) -> None:
+    """uint8 images are gathered/pooled without a float copy; tokens equal those of .float()."""
+    images, leaves = _mixed_leaves()
+    u8 = (images * 255).round().to(torch.uint8)
+    for backend in ("torch", "auto"):
+        got = extract_tokens(u8, leaves, 8, mode, backend)  # type: ignore[arg-type]
+        assert got.dtype == torch.float32
+        assert torch.equal(got, extract_tokens(u8.float(), leaves, 8, mode))  # type: ignore[arg-type]
