@@ -21,24 +21,26 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["band_edges", "band_peak"]
+__all__ = ["band_edges", "band_peak", "hysteresis"]
 
 
 @intrinsic
 def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
-    """a * b + c with one rounding (llvm.fma), for float32 or float64 operands."""
-    if not (isinstance(a, types.Float) and a == b == c):
+    """a * b + c with one rounding (llvm.fma) for float32 or float64 ``b`` and ``c``; an
+    integer ``a`` (a uint8 pixel) is converted to their type first (exactly)."""
+    if not (isinstance(b, types.Float) and b == c and (a == b or isinstance(a, types.Integer))):
         return None
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         ty = context.get_value_type(signature.return_type)
+        x = context.cast(builder, args[0], signature.args[0], signature.return_type)
         fn = builder.module.declare_intrinsic("llvm.fma", [ty], ir.FunctionType(ty, [ty, ty, ty]))
-        return builder.call(fn, args)
+        return builder.call(fn, [x, args[1], args[2]])
 
-    return a(a, b, c), codegen
+    return b(a, b, c), codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _reflect(j: int, n: int) -> int:
     """Row ``j`` of a plane of ``n`` rows, mirrored at the borders (``F.pad`` "reflect")."""
     if j < 0:
@@ -48,26 +50,25 @@ def _reflect(j: int, n: int) -> int:
     return j
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _grey_hblur(img, j, luma, taps, g, out):  # type: ignore[no-untyped-def]
     """Rounded 0-255 grey of image row ``j``, blurred along the row, into ``out``.
 
-    ``img`` is float (compute dtype) or uint8; ``z`` (a zero of ``luma``'s dtype) converts
-    pixels to the compute dtype (exactly: every uint8 value is a float32).
+    ``img`` is float (``luma``'s dtype, the compute dtype) or uint8, whose pixels convert to
+    the compute dtype exactly.
     """
     c, _, w = img.shape
     r = (taps.shape[0] - 1) // 2
-    z = luma[0] - luma[0]
     if c == 1:
         a = luma[0]
         x0 = img[0, j]
         for x in range(w):
-            g[r + x] = np.rint((x0[x] + z) * a)
+            g[r + x] = np.rint(x0[x] * a)
     else:
         a, b, cc = luma[0], luma[1], luma[2]
         x0, x1, x2 = img[0, j], img[1, j], img[2, j]
         for x in range(w):
-            g[r + x] = np.rint(_fma(x2[x] + z, cc, _fma(x1[x] + z, b, (x0[x] + z) * a)))
+            g[r + x] = np.rint(_fma(x2[x], cc, _fma(x1[x], b, x0[x] * a)))
     for k in range(r):  # reflect the columns
         g[k] = g[2 * r - k]
         g[r + w + k] = g[r + w - 2 - k]
@@ -76,6 +77,11 @@ def _grey_hblur(img, j, luma, taps, g, out):  # type: ignore[no-untyped-def]
             out[x] = g[x]
         return
     t0 = taps[0]
+    if r == 1:  # the default 3-tap blur in one pass; the same roundings as the loop below
+        t1, t2 = taps[1], taps[2]
+        for x in range(w):
+            out[x] = _fma(g[x + 2], t2, _fma(g[x + 1], t1, g[x] * t0))
+        return
     for x in range(w):
         out[x] = g[x] * t0
     for k in range(1, 2 * r + 1):
@@ -84,7 +90,7 @@ def _grey_hblur(img, j, luma, taps, g, out):  # type: ignore[no-untyped-def]
             out[x] = _fma(g[x + k], t, out[x])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _sobel_row(img, luma, taps, s, state, hring, bring, gi, gj, score, squared):  # type: ignore[no-untyped-def]
     """Compute Sobel row ``s`` into ring slot ``s % 3`` of ``gi``, ``gj`` and ``score``.
 
@@ -107,6 +113,13 @@ def _sobel_row(img, luma, taps, s, state, hring, bring, gi, gj, score, squared):
             src = hring[k % (nh - 1)]
             for x in range(w):
                 o[x + 1] = src[x]
+        elif r == 1:  # one pass, the same roundings as the general loop
+            a0 = hring[_reflect(k - 1, h) % (nh - 1)]
+            a1 = hring[_reflect(k, h) % (nh - 1)]
+            a2 = hring[_reflect(k + 1, h) % (nh - 1)]
+            t0, t1, t2 = taps[0], taps[1], taps[2]
+            for x in range(w):
+                o[x + 1] = _fma(a2[x], t2, _fma(a1[x], t1, a0[x] * t0))
         else:
             src = hring[_reflect(k - r, h) % (nh - 1)]
             t0 = taps[0]
@@ -145,7 +158,7 @@ def _rings(w: int, r: int, dtype: np.dtype) -> tuple[np.ndarray, ...]:
     return (np.empty(2, np.int64), hring, bring, *(np.empty((3, w), dtype) for _ in range(3)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _start(state, taps, first_sobel):  # type: ignore[no-untyped-def]
     """Point the rings at a band whose first Sobel row is ``first_sobel``."""
     r = (taps.shape[0] - 1) // 2
@@ -154,7 +167,7 @@ def _start(state, taps, first_sobel):  # type: ignore[no-untyped-def]
     state[0] = max(kb - r, 0) - 1  # reflected rows above kb are all <= kb + r
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _band_peak(img, luma, taps, top, bottom, squared, state, hring, bring, gi, gj, score):  # type: ignore[no-untyped-def]
     """Largest gradient score (squared magnitude for l2) over rows [top, bottom)."""
     _start(state, taps, top)
@@ -170,7 +183,7 @@ def _band_peak(img, luma, taps, top, bottom, squared, state, hring, bring, gi, g
     return best
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _band_edges(img, luma, taps, top, bottom, th, squared,
                 state, hring, bring, gi, gj, score, out_idx, out_strong):  # type: ignore[no-untyped-def]  # fmt: skip
     """Non-maximum-suppressed edge candidates of rows [top, bottom) (never the border).
@@ -262,3 +275,45 @@ def band_edges(
         img, luma, taps, top, bottom, th, squared, *_rings(w, r, luma.dtype), idx, strong
     )
     return idx[:n], strong[:n]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _find(parent, i):  # type: ignore[no-untyped-def]
+    """Root of ``i``, halving the path on the way."""
+    while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+    return i
+
+
+@njit(cache=True, nogil=True)
+def hysteresis(idx, strong, width):  # type: ignore[no-untyped-def]
+    """The entries of ``idx`` whose 8-connected component holds a ``strong`` one.
+
+    The sequential twin of ``edges._hysteresis_sparse`` (same input contract: sorted flat
+    indices, none on the border, rows of ``width``): the neighbours right, down-left, down
+    and down-right of each pixel are found by one merge of ``idx`` with ``idx + offset``
+    (both sorted), joined by union-find. O(n) after the sort the kernels already gave.
+    """
+    n = idx.shape[0]
+    parent = np.arange(n)
+    for off in (1, width - 1, width, width + 1):
+        j = 0
+        for i in range(n):
+            t = idx[i] + off
+            while j < n and idx[j] < t:
+                j += 1
+            if j == n:
+                break
+            if idx[j] == t:
+                a, b = _find(parent, i), _find(parent, j)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    lit = np.zeros(n, np.bool_)
+    for i in range(n):
+        if strong[i]:
+            lit[_find(parent, i)] = True
+    keep = np.empty(n, np.bool_)
+    for i in range(n):
+        keep[i] = lit[_find(parent, i)]
+    return idx[keep]

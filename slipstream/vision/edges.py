@@ -601,4 +601,4 @@ def _edge_points_numba(
             pool.shutdown()
     idx = np.concatenate([p[0] + i * (h * w) for (i, _, _), p in zip(bands, parts)])
     strong = np.concatenate([p[1] for p in parts])
-    return _hysteresis_sparse(torch.from_numpy(idx), torch.from_numpy(strong), w)
+    return torch.from_numpy(kernels.hysteresis(idx, strong, w))

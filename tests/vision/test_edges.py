@@ -181,3 +181,22 @@ def test_edge_backend_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match=r"float16.*backend='torch'"):
         resolve_edge_backend("numba", x.half())
     assert resolve_edge_backend("auto", x.half()) == "torch"
+
+
+def test_numba_hysteresis_equals_the_torch_components() -> None:
+    """Union-find over merged neighbour lists keeps exactly the torch pass's pixels."""
+    pytest.importorskip("numba")
+    from slipstream.vision._canny_numba import hysteresis
+    from slipstream.vision.edges import _hysteresis_sparse
+
+    g = torch.Generator().manual_seed(0)
+    h = w = 64
+    inner = torch.zeros(2, h, w, dtype=torch.bool)
+    inner[:, 1:-1, 1:-1] = torch.rand(2, h - 2, w - 2, generator=g) < 0.35  # long chains
+    idx = inner.flatten().nonzero().squeeze(1)
+    for p in (0.0, 0.01, 0.2, 1.0):
+        strong = torch.rand(idx.numel(), generator=g) < p
+        ref = _hysteresis_sparse(idx, strong, w)
+        got = torch.from_numpy(hysteresis(idx.numpy(), strong.numpy(), w))
+        assert torch.equal(got, ref), p
+        assert 0 < ref.numel() < idx.numel() or p in (0.0, 1.0)
