@@ -161,6 +161,7 @@ def test_numba_edge_backend_is_bit_identical_to_torch(blur: int, norm: str) -> N
         ((images * 255).round().to(torch.uint8), 100.0, 200.0, False),  # 8-bit, 0-255
         ((images[:, :1] * 255).to(torch.uint8), 0.1, 0.3, True),
         (ramp, 1.0, 2.0, False),  # equal magnitudes everywhere: the tie-breaking rules
+        (images, 0.0, 150.0, False),  # low = 0: flat pixels are candidates with 0/0 weights
     ]
     for x, lo, hi, rel in cases:
         ref = edge_points(x, blur_kernel=blur, low=lo, high=hi, relative=rel, norm=norm,  # type: ignore[arg-type]
