@@ -527,8 +527,9 @@ def resolve_edge_backend(backend: str, images: Tensor) -> str:
     if backend == "numba":
         if not fits:
             raise ValueError(
-                f"the numba edge backend takes float32/float64/uint8 CPU images, got {images.dtype} "
-                f"on {images.device}; use backend='torch' (any device or dtype) or 'auto'"
+                f"the numba edge backend takes float32/float64/uint8 CPU images, got "
+                f"{images.dtype} on {images.device}; use backend='torch' (any device or dtype) "
+                "or 'auto'"
             )
         if importlib.util.find_spec("numba") is None:
             raise ImportError(

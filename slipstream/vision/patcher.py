@@ -160,7 +160,8 @@ class AdaptivePatcher:
     """Turn (B, C, R, R) images (and (B, R, R) masks) into adaptive token batches.
 
     Images are float in [0, 1] or uint8 in 0-255 (decoded files: a quarter of the bytes, and
-    the faster input at high resolution); tokens are float in [0, 1] either way (float32 for uint8 input).
+    the faster input at high resolution); tokens are float in [0, 1] either way (float32 for
+    uint8 input).
 
     Example::
 
@@ -250,7 +251,7 @@ class AdaptivePatcher:
             tokens.div_(255.0)
         targets = None
         if masks is not None:
-            m = masks.unsqueeze(1)  # bool is pooled strip by strip, never copied to float whole
+            m = masks.unsqueeze(1)  # bool is pooled in integers, never copied to float whole
             targets = extract_tokens(m, leaves, c.patch_size, c.mask_resize, c.backend)[:, :, 0]
             targets = targets.to(tokens.dtype)
         return PatchBatch(tokens=tokens, leaves=leaves, targets=targets)
