@@ -91,13 +91,56 @@ def _grey_hblur(img, j, luma, taps, g, out):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _sobel_row(img, luma, taps, s, state, hring, bring, gi, gj, score, squared):  # type: ignore[no-untyped-def]
+def _pool_row(img, j, acc, fold, coarse):  # type: ignore[no-untyped-def]
+    """Add image row ``j`` (all channels) into the f x f means ``coarse`` (C, H / f, W / f).
+
+    ``acc`` (C, W) holds the column sums of the current f rows (int16 for uint8 pixels and
+    f <= 128: exact, and twice the lanes of float32; float32 otherwise): row ``j % f == 0``
+    starts them, row ``j % f == f - 1`` reduces every f neighbours into one output row.
+    Rows must come in order within each group of f (the kernels read them ascending).
+    Integer pixels (uint8) sum exactly; float sums round like any float32 sum.
+    """
+    c, h, w = img.shape
+    f = h // coarse.shape[1]
+    wo = coarse.shape[2]
+    dy = j % f
+    inv = np.float32(1.0) / np.float32(f * f)  # exact: f is a power of two
+    for ch in range(c):
+        row = img[ch, j]
+        a = acc[ch]
+        if dy == 0:
+            for x in range(w):
+                a[x] = row[x]
+        else:
+            for x in range(w):
+                a[x] += row[x]
+        if dy == f - 1:  # fold neighbouring pairs log2(f) times (vectorises; exact for uint8)
+            n = w // 2
+            for x in range(n):
+                fold[0, x] = np.float32(a[2 * x]) + np.float32(a[2 * x + 1])
+            src = 0
+            while n > wo:
+                n //= 2
+                u, v = fold[src], fold[1 - src]
+                for x in range(n):
+                    v[x] = u[2 * x] + u[2 * x + 1]
+                src = 1 - src
+            dst, u = coarse[ch, j // f], fold[src]
+            for ox in range(wo):
+                dst[ox] = u[ox] * inv
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _sobel_row(
+    img, luma, taps, s, state, hring, bring, gi, gj, score, squared, cacc, cfold, coarse
+):  # type: ignore[no-untyped-def]
     """Compute Sobel row ``s`` into ring slot ``s % 3`` of ``gi``, ``gj`` and ``score``.
 
-    ``state`` = [highest horizontally blurred row computed, highest blurred row computed];
-    ``hring`` (slot ``row % len``) and ``bring`` (slot ``row % 4``, column-padded) are the
-    grey and blurred rings. Blurred rows outside the image repeat the border row
-    (``F.pad`` "replicate"), as in the torch pipeline.
+    ``state`` = [highest horizontally blurred row computed, highest blurred row computed,
+    first and end row to pool]; ``hring`` (slot ``row % len``) and ``bring`` (slot
+    ``row % 4``, column-padded) are the grey and blurred rings. Blurred rows outside the image
+    repeat the border row (``F.pad`` "replicate"), as in the torch pipeline. Image rows in
+    the pooling range are also added into ``coarse`` (see :func:`_pool_row`) as they are read.
     """
     _, h, w = img.shape
     r = (taps.shape[0] - 1) // 2
@@ -108,6 +151,8 @@ def _sobel_row(img, luma, taps, s, state, hring, bring, gi, gj, score, squared):
         while state[0] < min(k + r, h - 1):
             state[0] += 1
             _grey_hblur(img, state[0], luma, taps, hring[nh - 1], hring[state[0] % (nh - 1)])
+            if state[2] <= state[0] < state[3]:  # the band's own rows, each read once
+                _pool_row(img, state[0], cacc, cfold, coarse)
         o = bring[k % 4]
         if r == 0:
             src = hring[k % (nh - 1)]
@@ -155,7 +200,8 @@ def _rings(w: int, r: int, dtype: np.dtype) -> tuple[np.ndarray, ...]:
     blurred ring (4 column-padded rows), and the three-row Sobel rings gi, gj, score."""
     hring = np.empty((2 * r + 2, w + 2 * r), dtype)
     bring = np.empty((4, w + 2), dtype)
-    return (np.empty(2, np.int64), hring, bring, *(np.empty((3, w), dtype) for _ in range(3)))
+    state = np.zeros(4, np.int64)  # [grey row, blurred row, pooled rows lo, hi]: no pooling
+    return (state, hring, bring, *(np.empty((3, w), dtype) for _ in range(3)))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -168,13 +214,16 @@ def _start(state, taps, first_sobel):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _band_peak(img, luma, taps, top, bottom, squared, state, hring, bring, gi, gj, score):  # type: ignore[no-untyped-def]
+def _band_peak(img, luma, taps, top, bottom, squared, state, hring, bring, gi, gj, score,
+               cacc, cfold, coarse):  # type: ignore[no-untyped-def]  # fmt: skip
     """Largest gradient score (squared magnitude for l2) over rows [top, bottom)."""
     _start(state, taps, top)
     best = score[0, 0]  # typed placeholder, replaced by the first value
     first = True
     for s in range(top, bottom):
-        _sobel_row(img, luma, taps, s, state, hring, bring, gi, gj, score, squared)
+        _sobel_row(
+            img, luma, taps, s, state, hring, bring, gi, gj, score, squared, cacc, cfold, coarse
+        )
         row = score[s % 3]
         for x in range(row.shape[0]):
             if first or row[x] > best:
@@ -185,21 +234,26 @@ def _band_peak(img, luma, taps, top, bottom, squared, state, hring, bring, gi, g
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _band_edges(img, luma, taps, top, bottom, th, squared,
-                state, hring, bring, gi, gj, score, out_idx, out_strong):  # type: ignore[no-untyped-def]  # fmt: skip
+                state, hring, bring, gi, gj, score, cacc, cfold, coarse, out_idx, out_strong):  # type: ignore[no-untyped-def]  # fmt: skip
     """Non-maximum-suppressed edge candidates of rows [top, bottom) (never the border).
 
     ``th`` = [prefilter bound on the score, low, high, 1] in the image dtype. Writes flat
-    in-image indices (row-major) and their strong flags; returns how many.
+    in-image indices (row-major) and their strong flags; returns how many. Rows
+    ``state[2]:state[3]`` are pooled into ``coarse`` on the way.
     """
     _, h, w = img.shape
     q0, q1 = max(top, 1), min(bottom, h - 1)
     n = 0
     if q1 <= q0:
+        for j in range(state[2], state[3]):  # no Sobel row here, but the pixels still pool
+            _pool_row(img, j, cacc, cfold, coarse)
         return n
     bound, low, high, one = th[0], th[1], th[2], th[3]
     _start(state, taps, q0 - 1)
     for s in range(q0 - 1, q1 + 1):
-        _sobel_row(img, luma, taps, s, state, hring, bring, gi, gj, score, squared)
+        _sobel_row(
+            img, luma, taps, s, state, hring, bring, gi, gj, score, squared, cacc, cfold, coarse
+        )
         q = s - 1
         if q < q0:
             continue
@@ -251,8 +305,16 @@ def band_peak(
 ) -> float:
     """Largest score over rows [top, bottom) of one (C, H, W) image."""
     r = (taps.shape[0] - 1) // 2
-    return float(
-        _band_peak(img, luma, taps, top, bottom, squared, *_rings(img.shape[2], r, luma.dtype))
+    rings = _rings(img.shape[2], r, luma.dtype)
+    return float(_band_peak(img, luma, taps, top, bottom, squared, *rings, *_no_pool()))
+
+
+def _no_pool() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Placeholder ``cacc``, ``cfold``, ``coarse`` of a call that pools nothing."""
+    return (
+        np.empty((0, 0), np.float32),
+        np.empty((2, 0), np.float32),
+        np.empty((0, 1, 0), np.float32),
     )
 
 
@@ -264,16 +326,29 @@ def band_edges(
     bottom: int,
     th: np.ndarray,
     squared: bool,
+    coarse: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Edge candidates of rows [top, bottom) of one (C, H, W) image: (flat index, strong)."""
-    _, h, w = img.shape
+    """Edge candidates of rows [top, bottom) of one (C, H, W) image: (flat index, strong).
+
+    ``coarse``: a (C, H / f, W / f) float32 array whose rows ``top / f : bottom / f`` receive
+    the f x f means of the image as its rows stream through the kernel (``top`` and ``bottom``
+    multiples of f), so the tokens need no second pass over the image.
+    """
+    c, h, w = img.shape
     r = (taps.shape[0] - 1) // 2
     cap = max(min(bottom, h - 1) - max(top, 1), 0) * max(w - 2, 0)
     idx = np.empty(cap, np.int64)
     strong = np.empty(cap, np.bool_)
-    n = _band_edges(
-        img, luma, taps, top, bottom, th, squared, *_rings(w, r, luma.dtype), idx, strong
-    )
+    rings = _rings(w, r, luma.dtype)
+    if coarse is None:
+        pool = _no_pool()
+    else:
+        rings[0][2:] = (top, bottom)
+        f = h // coarse.shape[1]
+        exact16 = img.dtype == np.uint8 and f <= 128  # f * 255 fits an int16
+        acc = np.empty((c, w), np.int16 if exact16 else np.float32)
+        pool = (acc, np.empty((2, w // 2), np.float32), coarse)
+    n = _band_edges(img, luma, taps, top, bottom, th, squared, *rings, *pool, idx, strong)
     return idx[:n], strong[:n]
 
 

@@ -1,7 +1,8 @@
-"""f x f box means of 8-bit planes (bool masks, uint8 images) in integer arithmetic, one pass.
+"""Box means for tokens on the CPU: whole 8-bit planes, or single leaves, in one pass each.
 
-The numba kernel behind :func:`slipstream.vision.tokens._pool_strips` for CPU bool/uint8
-inputs (compiled on first use and cached on disk). Two streaming stages per output row: the
+``box_means`` is the numba kernel behind :func:`slipstream.vision.tokens._pool_strips` for CPU
+bool/uint8 inputs (compiled on first use and cached on disk); ``leaf_means`` filters the
+leaves below the level the edge pass pooled (``extract_tokens(..., means=...)``). Two streaming stages per output row: the
 ``f`` input rows are added element-wise into one integer row (a vectorised add of contiguous
 bytes), then every ``f`` neighbours of that row are summed. Each input byte is read once and no
 float copy of the image is made; torch's route converts each strip to float first (four times
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["box_means"]
+__all__ = ["box_means", "leaf_means"]
 
 
 @njit(cache=True, nogil=True)
@@ -46,3 +47,37 @@ def box_means(planes, f, row0, row1, acc, out):  # type: ignore[no-untyped-def]
                 for dx in range(f):
                     s += acc[base + dx]
                 dst[ox] = np.float32(s) * scale
+
+
+@njit(cache=True, nogil=True)
+def leaf_means(images, bi, ys, xs, side, p, out):  # type: ignore[no-untyped-def]
+    """P x P box means of the ``side`` x ``side`` leaves at (``bi``, ``ys``, ``xs``) into ``out``.
+
+    ``images`` (B, C, H, W) uint8 or float32, ``out`` (n, C, P, P) float32. Reads only the
+    leaves' own pixels (the small leaves of a tree, whose pyramid level was not built):
+    column sums of f = side / P rows, then sums of f columns, like ``box_means``.
+    """
+    c = images.shape[1]
+    f = side // p
+    inv = np.float32(1.0) / np.float32(f * f)  # exact: f is a power of two
+    acc = np.empty(side, np.float32)
+    for i in range(bi.shape[0]):
+        b, y, x0 = bi[i], ys[i], xs[i]
+        for ch in range(c):
+            plane = images[b, ch]
+            for ty in range(p):
+                top = y + ty * f
+                row = plane[top]
+                for x in range(side):
+                    acc[x] = row[x0 + x]
+                for dy in range(1, f):
+                    row = plane[top + dy]
+                    for x in range(side):
+                        acc[x] += row[x0 + x]
+                dst = out[i, ch, ty]
+                for tx in range(p):
+                    base = tx * f
+                    v = acc[base]
+                    for dx in range(1, f):
+                        v += acc[base + dx]
+                    dst[tx] = v * inv

@@ -33,6 +33,7 @@ __all__ = [
     "EdgeBackend",
     "canny",
     "edge_points",
+    "edge_points_and_means",
     "gaussian_blur",
     "gaussian_kernel_sigma",
     "resolve_edge_backend",
@@ -403,11 +404,7 @@ def edge_points(
     bit (tested), so the choice only changes speed. ``strip_rows`` is the band of rows one
     numba call (one thread) handles; bands run on ``torch.get_num_threads()`` threads.
     """
-    _check_thresholds(low, high, relative, norm)
-    if images.dim() != 4 or images.shape[1] not in (1, 3, 4):
-        to_grey(images)  # raises the shape error
-    if blur_kernel < 1 or blur_kernel % 2 == 0:
-        raise ValueError(f"blur_kernel={blur_kernel} must be odd and >= 1 (1 = no blur)")
+    _check_edge_args(images, blur_kernel, low, high, relative, norm)
     b, _, h, w = images.shape
     radius = (blur_kernel - 1) // 2
     dev = images.device
@@ -420,7 +417,7 @@ def edge_points(
     if resolve_edge_backend(backend, images) == "numba":
         return _edge_points_numba(
             images.detach(), radius, blur_kernel, low, high, relative, norm, strip_rows
-        )
+        )[0]
     taps = (
         _gaussian_taps(gaussian_kernel_sigma(blur_kernel), radius, dtype, dev) if radius else None
     )
@@ -510,6 +507,71 @@ _NUMBA_DTYPES = (torch.float32, torch.float64, torch.uint8)
 _warned_no_numba = False
 
 
+def _check_edge_args(
+    images: Tensor, blur_kernel: int, low: float, high: float, relative: bool, norm: str
+) -> None:
+    _check_thresholds(low, high, relative, norm)
+    if images.dim() != 4 or images.shape[1] not in (1, 3, 4):
+        to_grey(images)  # raises the shape error
+    if blur_kernel < 1 or blur_kernel % 2 == 0:
+        raise ValueError(f"blur_kernel={blur_kernel} must be odd and >= 1 (1 = no blur)")
+
+
+def edge_points_and_means(
+    images: Tensor,
+    factor: int,
+    *,
+    blur_kernel: int = 3,
+    low: float = 100.0,
+    high: float = 200.0,
+    relative: bool = False,
+    norm: Literal["l2", "l1"] = "l1",
+    strip_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`edge_points` (numba backend) and the ``factor`` x ``factor`` means of ``images``,
+    from one pass over the image.
+
+    The tokens of a quadtree are box means of the image, so the patcher would otherwise read
+    the whole image a second time after the edges (at 8K a float32 RGB image is 805 MB, and
+    that pass costs as much as half the edge kernel). Here every row is added into the means
+    while the edge kernel has it in cache.
+
+    Returns:
+        (points, means): the edge pixels as :func:`edge_points` gives them, and (B, C, H / f,
+        W / f) float32 means in the images' units (0-255 for uint8). Sums run down f rows,
+        then along f columns: exact for uint8; for floats equal to ``avg_pool2d`` up to
+        float32 rounding (a different summation order).
+
+    Raises:
+        ValueError: ``factor`` is not a power of two >= 2 dividing both sides, the images are
+            not float32/uint8 on the CPU, or too small for the kernel (sides < 3 or < the blur).
+        ImportError: numba is not installed.
+    """
+    _check_edge_args(images, blur_kernel, low, high, relative, norm)
+    _, _, h, w = images.shape
+    radius = (blur_kernel - 1) // 2
+    if factor < 2 or factor & (factor - 1) or h % factor or w % factor:
+        raise ValueError(
+            f"factor={factor} must be a power of two >= 2 dividing the image sides {h} x {w}"
+        )
+    if images.device.type != "cpu" or images.dtype not in (torch.float32, torch.uint8):
+        raise ValueError(
+            f"edge_points_and_means takes float32 or uint8 CPU images, got {images.dtype} on "
+            f"{images.device}; use edge_points and extract_tokens there"
+        )
+    if radius >= min(h, w) or min(h, w) < 3:
+        raise ValueError(
+            f"images of {h} x {w} are too small for the fused kernel with blur_kernel="
+            f"{blur_kernel}; use edge_points"
+        )
+    resolve_edge_backend("numba", images)  # ImportError naming the fix without numba
+    points, means = _edge_points_numba(
+        images.detach(), radius, blur_kernel, low, high, relative, norm, strip_rows, factor
+    )
+    assert means is not None
+    return points, means
+
+
 def resolve_edge_backend(backend: str, images: Tensor) -> str:
     """The edge backend ``edge_points`` uses for ``images``: ``"torch"`` or ``"numba"``.
 
@@ -559,16 +621,18 @@ def _edge_points_numba(
     relative: bool,
     norm: str,
     band_rows: int | None,
-) -> Tensor:
-    """``edge_points`` through the fused numba kernels, band by band (threads over bands)."""
+    means: int = 0,
+) -> tuple[Tensor, Tensor | None]:
+    """``edge_points`` through the fused numba kernels, band by band (threads over bands);
+    with ``means`` = f > 0 also the (B, C, H / f, W / f) float32 f x f means of ``images``."""
     from slipstream.vision import _canny_numba as kernels
 
     b, c, h, w = images.shape
     dtype = images.dtype if images.is_floating_point() else torch.float32  # compute dtype
     x = images.contiguous().numpy()
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-    k = _grey_scale(images.dtype)
-    scale = (k,) if c == 1 else tuple(v * k for v in _LUMA)
+    unit = _grey_scale(images.dtype)
+    scale = (unit,) if c == 1 else tuple(v * unit for v in _LUMA)
     luma = np.array(scale, dtype=np_dtype)  # the same float rounding as torch's scalar casts
     taps = (
         _gaussian_taps(gaussian_kernel_sigma(blur_kernel), radius, dtype, images.device).numpy()
@@ -577,6 +641,10 @@ def _edge_points_numba(
     )
     squared = norm == "l2"
     step = band_rows or 512
+    coarse = None
+    if means:  # bands start on multiples of f, so each band pools whole groups of f rows
+        step = max(means, step // means * means)
+        coarse = np.empty((b, c, h // means, w // means), np.float32)
     bands = [(i, top, min(top + step, h)) for i in range(b) for top in range(0, h, step)]
     threads = min(torch.get_num_threads(), len(bands))
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
@@ -595,11 +663,15 @@ def _edge_points_numba(
         bound = (lo_t * lo_t if squared else lo_t) * (1 - 1e-5)
         th = torch.stack([bound, lo_t, hi_t, torch.ones_like(lo_t)], 1).numpy()
         parts = run(
-            lambda i, t, e: kernels.band_edges(x[i], luma, taps, t, e, th[i], squared), bands
+            lambda i, t, e: kernels.band_edges(
+                x[i], luma, taps, t, e, th[i], squared, None if coarse is None else coarse[i]
+            ),
+            bands,
         )
     finally:
         if pool:
             pool.shutdown()
     idx = np.concatenate([p[0] + i * (h * w) for (i, _, _), p in zip(bands, parts)])
     strong = np.concatenate([p[1] for p in parts])
-    return torch.from_numpy(kernels.hysteresis(idx, strong, w))
+    points = torch.from_numpy(kernels.hysteresis(idx, strong, w))
+    return points, None if coarse is None else torch.from_numpy(coarse)

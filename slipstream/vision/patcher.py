@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from slipstream.config._errors import ConfigError
-from slipstream.vision.edges import edge_points
+from slipstream.vision.edges import edge_points, edge_points_and_means, resolve_edge_backend
 from slipstream.vision.quadtree import (
     Leaves,
     _check_edges,
@@ -31,6 +31,10 @@ from slipstream.vision.quadtree import (
 from slipstream.vision.tokens import extract_tokens, tokens_to_image
 
 __all__ = ["APFConfig", "AdaptivePatcher", "PatchBatch"]
+
+
+# Means the CPU edge pass pools for the tokens (leaves of 8P and up read them).
+_FUSED_FACTOR = 8
 
 
 def _pow2(v: int) -> bool:
@@ -243,10 +247,17 @@ class AdaptivePatcher:
             generator,
         )  # fmt: skip
 
-    def tokens(self, images: Tensor, leaves: Leaves, masks: Tensor | None = None) -> PatchBatch:
-        """Tokens (and mask targets) of ``images`` for given leaves (APF step 4)."""
+    def tokens(
+        self,
+        images: Tensor,
+        leaves: Leaves,
+        masks: Tensor | None = None,
+        means: tuple[int, Tensor] | None = None,
+    ) -> PatchBatch:
+        """Tokens (and mask targets) of ``images`` for given leaves (APF step 4); ``means``
+        are box means from the edge pass (see :func:`extract_tokens`)."""
         c = self.config
-        tokens = extract_tokens(images, leaves, c.patch_size, c.image_resize, c.backend)
+        tokens = extract_tokens(images, leaves, c.patch_size, c.image_resize, c.backend, means)
         if images.dtype == torch.uint8:
             tokens.div_(255.0)
         targets = None
@@ -272,9 +283,38 @@ class AdaptivePatcher:
         self._check(images, masks)
         if edges is not None:
             return self.tokens(images, self.tree(edges, generator), masks)
-        points = self.edge_points(images)
+        factor = self._fused_factor(images)
+        means = None
+        if factor:  # one pass over the image gives the edges and the tokens' first level
+            c = self.config
+            points, coarse = edge_points_and_means(
+                images, factor, blur_kernel=c.blur_kernel, low=c.canny_low,
+                high=c.canny_high, relative=c.canny_relative, norm=c.canny_norm,
+            )  # fmt: skip
+            means = (factor, coarse)
+        else:
+            points = self.edge_points(images)
         leaves = self.tree_of_points(points, images.shape[0], images.shape[-1], generator)
-        return self.tokens(images, leaves, masks)
+        return self.tokens(images, leaves, masks, means)
+
+    def _fused_factor(self, images: Tensor) -> int:
+        """f of the means the edge pass should pool (0: a separate pass, as on GPU).
+
+        CPU float32/uint8 images with area tokens under the numba backend. f = 8P-sized
+        leaves' level: the leaves of APF trees at high resolution are mostly at least that
+        big; smaller ones are filtered from their own pixels, so any tree stays exact.
+        """
+        c = self.config
+        r = images.shape[-1]
+        f = _FUSED_FACTOR
+        fits = (
+            c.image_resize == "area"
+            and images.device.type == "cpu"
+            and images.dtype in (torch.float32, torch.uint8)
+            and r >= 2 * f * c.patch_size
+            and c.blur_kernel < r
+        )
+        return f if fits and resolve_edge_backend(c.backend, images) == "numba" else 0
 
     def uniform(
         self, images: Tensor, masks: Tensor | None = None, length: int | None = None

@@ -9,8 +9,9 @@ Both directions are single gathers / strided writes, batched over images and lea
 * Downscaling uses an average pyramid: a leaf of side ``s >= P`` read at pyramid level
   ``log2(s / P)`` is exactly its box-filtered (area) P x P version, so one gather per
   pyramid level extracts every token of that size class at once. Only the levels some leaf
-  reads are built, the first in one f x f pooling pass (bool masks pooled strip by strip,
-  never copied to float whole). ``mode="nearest"`` samples the pixel under each token
+  reads are built, the first in one f x f pooling pass (bool masks and uint8 images pooled in
+  integers, never copied to float whole), or taken from the means the CPU edge pass pooled
+  while it read the image (``means=``; leaves below that level are filtered one by one). ``mode="nearest"`` samples the pixel under each token
   pixel's centre instead.
 * Upscaling (``s < P``) replicates pixels (nearest), so a mask round trip through leaves no
   larger than P is exact.
@@ -174,12 +175,56 @@ def _pyramid(
     return out
 
 
+def _levels_from_means(
+    images: Tensor, means: tuple[int, Tensor], first: int, last: int
+) -> tuple[list[Tensor | None], range]:
+    """Pyramid levels 0..``last`` from precomputed f x f ``means``, and the levels between
+    ``first`` and log2(f) that no level covers (their leaves are filtered one by one)."""
+    factor, coarse = means
+    b, c, r, _ = images.shape
+    if (
+        factor < 2
+        or factor & (factor - 1)
+        or coarse.shape != (b, c, r // factor, r // factor)
+        or images.device.type != "cpu"
+        or images.dtype not in (torch.float32, torch.uint8)
+    ):
+        raise ValueError(
+            f"means=(factor={factor}, shape {tuple(coarse.shape)}) do not fit images of shape "
+            f"{tuple(images.shape)} ({images.dtype} on {images.device}): they are the "
+            "(B, C, R/f, R/f) means of CPU float32/uint8 images from edge_points_and_means"
+        )
+    k0 = factor.bit_length() - 1
+    levels: list[Tensor | None] = [None] * (last + 1)
+    if first == 0:
+        levels[0] = images.flatten(2)
+    if last >= k0:
+        level = coarse
+        levels[k0] = level.flatten(2)
+        for k in range(k0 + 1, last + 1):
+            level = F.avg_pool2d(level, 2)
+            levels[k] = level.flatten(2)
+    return levels, range(max(first, 1), min(k0, last + 1))
+
+
+def _leaf_means(images: Tensor, bi: Tensor, ys: Tensor, xs: Tensor, side: int, p: int) -> Tensor:
+    """(n, C, P, P) float32 box means of the ``side`` x ``side`` leaves at (bi, ys, xs)."""
+    from slipstream.vision._pool_numba import leaf_means
+
+    out = torch.empty((bi.numel(), images.shape[1], p, p), dtype=torch.float32)
+    leaf_means(
+        images.contiguous().numpy(), bi.numpy(), ys.numpy(), xs.numpy(), side, p, out.numpy()
+    )
+    return out
+
+
 def extract_tokens(
     images: Tensor,
     leaves: Leaves,
     patch_size: int,
     mode: ResizeMode = "area",
     backend: PoolBackend = "auto",
+    means: tuple[int, Tensor] | None = None,
 ) -> Tensor:
     """Resize every leaf of ``images`` (B, C, R, R) to ``patch_size`` x ``patch_size``.
 
@@ -189,6 +234,13 @@ def extract_tokens(
     Accepts float or bool/integer images (masks); returns float32 for the latter (values
     unscaled: a uint8 image gives tokens in 0-255). ``backend`` picks the kernel that pools
     bool/uint8 CPU inputs (:func:`resolve_pool_backend`); the values are the same either way.
+
+    ``means`` = (f, (B, C, R / f, R / f) f x f means of ``images``), as
+    :func:`~slipstream.vision.edges.edge_points_and_means` gives them with the edges (CPU
+    float32/uint8 images, area mode): the pyramid starts from them instead of a pass over
+    ``images``, and leaves too small for them are box-filtered from their own pixels (a
+    numba kernel). uint8 tokens are then exactly the same; float32 ones equal up to float
+    rounding (sums in another order than ``avg_pool2d``).
     Memory: the pyramid levels the leaves use (at most 1/3 of ``images``) plus the tokens.
     """
     _check_images(images, leaves, "images")
@@ -206,13 +258,18 @@ def extract_tokens(
         # Only the levels some leaf reads; non-float inputs (bool masks, uint8 images) are
         # pooled in integers (or per float strip), and level 0 is read as is: only the
         # gathered token pixels are converted to float.
-        levels = _pyramid(x, first, last, backend)
+        if means is not None:
+            levels, direct = _levels_from_means(x, means, first, last)
+        else:
+            levels, direct = _pyramid(x, first, last, backend), range(0)
         # Level-k coordinates of the token's first row/col; small leaves replicate pixels.
         y0, x0 = (leaves.y.clamp(min=0) >> shift), (leaves.x.clamp(min=0) >> shift)
         step_i = torch.where(big.unsqueeze(-1), i, (i * size.unsqueeze(-1)) // p)
         rows, cols, n = y0.unsqueeze(-1) + step_i, x0.unsqueeze(-1) + step_i, r >> shift
     elif mode == "nearest":
-        levels = [x.flatten(2)]
+        if means is not None:
+            raise ValueError("means are for mode='area' tokens; pass means=None with 'nearest'")
+        levels, direct = [x.flatten(2)], range(0)
         shift, n = torch.zeros_like(size), torch.full_like(size, r)
         centre = ((2 * i + 1) * size.unsqueeze(-1)) // (2 * p)
         rows = leaves.y.clamp(min=0).unsqueeze(-1) + centre
@@ -222,10 +279,10 @@ def extract_tokens(
     index = rows.unsqueeze(-1) * n[..., None, None] + cols.unsqueeze(-2)  # (B, L, P, P)
     tokens = torch.zeros((b, leaves.length, c, p, p), dtype=dtype, device=x.device)
     for k, level in enumerate(levels):
-        if level is None:
-            continue
         bi, li = (leaves.valid & (shift == k)).nonzero(as_tuple=True)
-        if bi.numel():
+        if k in direct and bi.numel():  # box means of the leaves' own pixels
+            tokens[bi, li] = _leaf_means(x, bi, leaves.y[bi, li], leaves.x[bi, li], p << k, p)
+        elif level is not None and bi.numel():
             flat = index[bi, li].reshape(-1)  # one gather per pyramid level
             vals = level[bi.repeat_interleave(p * p), :, flat]  # (k * P * P, C)
             tokens[bi, li] = vals.view(-1, p, p, c).permute(0, 3, 1, 2).to(dtype)

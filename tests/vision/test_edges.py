@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from slipstream.vision import canny, gaussian_blur, gaussian_kernel_sigma, to_grey
 from slipstream.vision.edges import _hysteresis
@@ -201,3 +202,27 @@ def test_numba_hysteresis_equals_the_torch_components() -> None:
         got = torch.from_numpy(hysteresis(idx.numpy(), strong.numpy(), w))
         assert torch.equal(got, ref), p
         assert 0 < ref.numel() < idx.numel() or p in (0.0, 1.0)
+
+
+def test_edge_points_and_means_pool_the_image_in_the_edge_pass() -> None:
+    """One pass gives the edge pixels of edge_points and the f x f means of the image."""
+    pytest.importorskip("numba")
+    from slipstream.vision import synthetic_blobs
+    from slipstream.vision.edges import edge_points, edge_points_and_means
+
+    images, _ = synthetic_blobs(2, 128, seed=1)
+    u8 = (images * 255).round().to(torch.uint8)
+    for x in (u8, images, u8[:, :1].contiguous(), torch.cat([u8, u8[:, :1]], 1)):
+        ref_points = edge_points(x, backend="torch")
+        for f, rows in ((2, 1), (8, 9), (32, None), (128, None)):
+            points, means = edge_points_and_means(x, f, strip_rows=rows)
+            assert torch.equal(points, ref_points)
+            ref = F.avg_pool2d(x.float(), f)
+            if x.dtype == torch.uint8:  # integer sums: exact
+                assert torch.equal(means, ref), (f, rows)
+            else:  # float32 sums of up to f * f values in another order
+                torch.testing.assert_close(means, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"factor=12 must be a power of two"):
+        edge_points_and_means(u8, 12)
+    with pytest.raises(ValueError, match=r"float32 or uint8 CPU images, got torch.float64"):
+        edge_points_and_means(images.double(), 8)

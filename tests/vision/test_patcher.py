@@ -120,3 +120,27 @@ def test_uint8_images_match_their_float_version() -> None:
     assert torch.equal(a.targets, b.targets)
     with pytest.raises(ValueError, match=r"float in \[0, 1\] or uint8.*int16"):
         patcher(u8.to(torch.int16), masks)
+
+
+def test_cpu_patcher_pools_tokens_in_the_edge_pass_with_the_same_result() -> None:
+    """numba backend (edges and the tokens' first level in one pass) == torch backend."""
+    pytest.importorskip("numba")
+    from slipstream.vision import synthetic_blobs
+
+    images, masks = synthetic_blobs(2, 256, seed=4)
+    u8 = (images * 255).round().to(torch.uint8)
+    fused = AdaptivePatcher(APFConfig(patch_size=8, length=256))
+    plain = AdaptivePatcher(APFConfig(patch_size=8, length=256, backend="torch"))
+    assert fused._fused_factor(u8) == 8 and plain._fused_factor(u8) == 0
+    assert fused._fused_factor(images.double()) == 0
+    for x in (u8, images):
+        a, b = fused(x, masks), plain(x, masks)
+        assert torch.equal(a.leaves.size, b.leaves.size) and torch.equal(a.leaves.x, b.leaves.x)
+        assert a.targets is not None and b.targets is not None
+        assert torch.equal(a.targets, b.targets)
+        if x.dtype == torch.uint8:
+            assert torch.equal(a.tokens, b.tokens)
+        else:
+            torch.testing.assert_close(a.tokens, b.tokens, rtol=1e-6, atol=1e-6)
+    sizes = fused(u8).leaves.size
+    assert bool((sizes < 64).any()) and bool((sizes >= 64).any())  # both token paths used

@@ -165,3 +165,24 @@ def test_uint8_images_give_the_tokens_of_their_float_values(mode: str) -> None:
         got = extract_tokens(u8, leaves, 8, mode, backend)  # type: ignore[arg-type]
         assert got.dtype == torch.float32
         assert torch.equal(got, extract_tokens(u8.float(), leaves, 8, mode))  # type: ignore[arg-type]
+
+
+def test_tokens_from_edge_pass_means_match_the_pyramid() -> None:
+    """Tokens built on the edge pass's means (small leaves filtered from their own pixels)
+    equal the pyramid's exactly for uint8 images and to float rounding for float32 ones."""
+    pytest.importorskip("numba")
+    images, leaves = _mixed_leaves()  # leaf sides 2..64 around P = 4: every code path
+    u8 = (images * 255).round().to(torch.uint8)
+    for f in (2, 4, 8, 16):
+        for x in (u8, images):
+            means = (f, F.avg_pool2d(x.float(), f))
+            got = extract_tokens(x, leaves, 4, "area", means=means)
+            ref = extract_tokens(x, leaves, 4, "area", backend="torch")
+            if x.dtype == torch.uint8:
+                assert torch.equal(got, ref), f
+            else:
+                torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"means=\(factor=8, shape \(2, 3, 4, 4\)\) do not fit"):
+        extract_tokens(u8, leaves, 4, "area", means=(8, torch.zeros(2, 3, 4, 4)))
+    with pytest.raises(ValueError, match="means are for mode='area'"):
+        extract_tokens(u8, leaves, 4, "nearest", means=(8, F.avg_pool2d(u8.float(), 8)))
