@@ -277,11 +277,14 @@ def _prep_rows(size: int, dtype: str, args: argparse.Namespace) -> list[dict[str
     img, mask = synthetic_blobs(1, size, seed=0, device=_DEVICE)
     img = _as_dtype(img, dtype)
     parts = {}
-    parts["edges"], points = _median_timed(lambda: patcher.edge_points(img), args.reps)
+    # edges include the means the CPU edge pass pools for the tokens (numba backend)
+    parts["edges"], (points, means) = _median_timed(
+        lambda: patcher.edge_points_and_means(img), args.reps
+    )
     parts["tree"], leaves = _median_timed(
         lambda: patcher.tree_of_points(points, 1, size), args.reps
     )
-    parts["tokens"], _ = _median_timed(lambda: patcher.tokens(img, leaves, mask), args.reps)
+    parts["tokens"], _ = _median_timed(lambda: patcher.tokens(img, leaves, mask, means), args.reps)
     for nb in args.prep_batch:
         images, masks = synthetic_blobs(nb, size, seed=0, device=_DEVICE)
         images = _as_dtype(images, dtype)

@@ -283,19 +283,23 @@ class AdaptivePatcher:
         self._check(images, masks)
         if edges is not None:
             return self.tokens(images, self.tree(edges, generator), masks)
-        factor = self._fused_factor(images)
-        means = None
-        if factor:  # one pass over the image gives the edges and the tokens' first level
-            c = self.config
-            points, coarse = edge_points_and_means(
-                images, factor, blur_kernel=c.blur_kernel, low=c.canny_low,
-                high=c.canny_high, relative=c.canny_relative, norm=c.canny_norm,
-            )  # fmt: skip
-            means = (factor, coarse)
-        else:
-            points = self.edge_points(images)
+        points, means = self.edge_points_and_means(images)
         leaves = self.tree_of_points(points, images.shape[0], images.shape[-1], generator)
         return self.tokens(images, leaves, masks, means)
+
+    def edge_points_and_means(self, images: Tensor) -> tuple[Tensor, tuple[int, Tensor] | None]:
+        """What :meth:`__call__` runs first: the edge pixels (as :meth:`edge_points`), and
+        (f, f x f means of ``images``) when the CPU edge pass pools the tokens' first level
+        while it reads the image (numba backend, float32/uint8 images), else None."""
+        factor = self._fused_factor(images)
+        if not factor:
+            return self.edge_points(images), None
+        c = self.config
+        points, means = edge_points_and_means(
+            images, factor, blur_kernel=c.blur_kernel, low=c.canny_low, high=c.canny_high,
+            relative=c.canny_relative, norm=c.canny_norm,
+        )  # fmt: skip
+        return points, (factor, means)
 
     def _fused_factor(self, images: Tensor) -> int:
         """f of the means the edge pass should pool (0: a separate pass, as on GPU).
