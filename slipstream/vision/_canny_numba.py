@@ -4,10 +4,11 @@ numba kernels (compiled on first use and cached on disk; nothing is built at ins
 behind :func:`slipstream.vision.edges.edge_points` with ``backend="numba"``. The eager torch
 pipeline makes about twenty passes over every row strip; this makes one: each grey row is
 computed, blurred, differentiated and thinned while it is in cache, in a ring of a few rows,
-and only the surviving edge candidates leave the kernel. Hysteresis stays in torch (it works on
-those candidates only).
+and only the surviving edge candidates leave the kernel; union-find :func:`hysteresis` then
+joins them. Optionally every image row is also added into f x f means as it is read
+(``band_edges(coarse=...)``), so the tokens need no second pass over the image.
 
-The output is *identical* to the torch backend, not merely close: every rounding is the same.
+The edge output is *identical* to the torch backend, not merely close: every rounding is the same.
 Where torch computes ``a + alpha * b`` (``add_`` with ``alpha``, ``addcmul_``) its CPU kernels
 (and CUDA's) use a fused multiply-add, so the kernels here call ``llvm.fma`` at exactly those
 places; everything else is a plain IEEE operation in the image's dtype (numba does not
