@@ -320,6 +320,8 @@ def _token_sets(
     patcher = _patcher("synthetic", "fixed_length", args, size)
     out: dict[str, list[PatchBatch]] = {"apf": [], "uniform": []}
     masks, prep = [], 0.0
+    warm = synthetic_blobs(1, size, seed=999)  # numba kernels compile / load on first use
+    patcher(*warm), patcher.uniform(*warm)
     for i in range(n_train + n_test):
         img, mask = synthetic_blobs(1, size, seed=1000 + i)
         t, batch = _timed(lambda im=img, m=mask: patcher(im, m))

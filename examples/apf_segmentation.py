@@ -56,6 +56,8 @@ def main() -> None:
     print(
         f"{'patching':<9} {'tokens':>6} {'leaf sides':>11} {'prep/img':>9} {'step':>9} {'Dice':>7} {'oracle':>7}"
     )
+    # numba (the CPU kernels) compiles or loads its kernels on first use: not part of the timings
+    patcher(images[:1], masks[:1]), patcher.uniform(images[:1], masks[:1])
     for name, uniform in (("uniform", True), ("adaptive", False)):
         train = tokenize(patcher, images[:split], masks[:split], uniform=uniform)
         test = tokenize(patcher, images[split:], masks[split:], uniform=uniform)

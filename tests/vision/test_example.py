@@ -1,0 +1,24 @@
+"""examples/apf_segmentation.py runs end to end at toy size and prints both arms."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_apf_example_runs_at_toy_size() -> None:
+    cmd = [sys.executable, str(ROOT / "examples" / "apf_segmentation.py"), "--image-size", "128",
+           "--length", "16", "--steps", "2", "--train-images", "2", "--test-images", "1",
+           "--batch", "2", "--threads", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [
+        line.split()
+        for line in proc.stdout.splitlines()
+        if line.startswith(("uniform", "adaptive"))
+    ]
+    assert [r[0] for r in rows] == ["uniform", "adaptive"]
+    assert all(0.0 <= float(r[-2]) <= 1.0 and 0.0 <= float(r[-1]) <= 1.0 for r in rows)  # Dice
