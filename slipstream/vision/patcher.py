@@ -304,9 +304,9 @@ class AdaptivePatcher:
     def _fused_factor(self, images: Tensor) -> int:
         """f of the means the edge pass should pool (0: a separate pass, as on GPU).
 
-        CPU float32/uint8 images with area tokens under the numba backend. f = 8P-sized
-        leaves' level: the leaves of APF trees at high resolution are mostly at least that
-        big; smaller ones are filtered from their own pixels, so any tree stays exact.
+        CPU float32/uint8 images with area tokens under the numba backend. f = 8: the pooled
+        level serves leaves of side 8P and up, most leaves of APF trees at high resolution;
+        smaller leaves are box-filtered from their own pixels, so every tree is served.
         """
         c = self.config
         r = images.shape[-1]
