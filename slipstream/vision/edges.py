@@ -19,6 +19,7 @@ what they mean for OpenCV's ``Canny`` on 8-bit images.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -517,6 +518,25 @@ def _check_edge_args(
         raise ValueError(f"blur_kernel={blur_kernel} must be odd and >= 1 (1 = no blur)")
 
 
+def means_misfit(images: Tensor, factor: int, blur_kernel: int) -> str | None:
+    """Why :func:`edge_points_and_means` cannot pool (B, C, H, W) ``images`` at ``factor``
+    (the fix included), or None when it can."""
+    _, _, h, w = images.shape
+    if factor < 2 or factor & (factor - 1) or h % factor or w % factor:
+        return f"factor={factor} must be a power of two >= 2 dividing the image sides {h} x {w}"
+    if images.device.type != "cpu" or images.dtype not in (torch.float32, torch.uint8):
+        return (
+            f"edge_points_and_means takes float32 or uint8 CPU images, got {images.dtype} on "
+            f"{images.device}; use edge_points and extract_tokens there"
+        )
+    if (blur_kernel - 1) // 2 >= min(h, w) or min(h, w) < 3:
+        return (
+            f"images of {h} x {w} are too small for the fused kernel with blur_kernel="
+            f"{blur_kernel}; use edge_points"
+        )
+    return None
+
+
 def edge_points_and_means(
     images: Tensor,
     factor: int,
@@ -548,28 +568,56 @@ def edge_points_and_means(
         ImportError: numba is not installed.
     """
     _check_edge_args(images, blur_kernel, low, high, relative, norm)
-    _, _, h, w = images.shape
-    radius = (blur_kernel - 1) // 2
-    if factor < 2 or factor & (factor - 1) or h % factor or w % factor:
-        raise ValueError(
-            f"factor={factor} must be a power of two >= 2 dividing the image sides {h} x {w}"
-        )
-    if images.device.type != "cpu" or images.dtype not in (torch.float32, torch.uint8):
-        raise ValueError(
-            f"edge_points_and_means takes float32 or uint8 CPU images, got {images.dtype} on "
-            f"{images.device}; use edge_points and extract_tokens there"
-        )
-    if radius >= min(h, w) or min(h, w) < 3:
-        raise ValueError(
-            f"images of {h} x {w} are too small for the fused kernel with blur_kernel="
-            f"{blur_kernel}; use edge_points"
-        )
+    misfit = means_misfit(images, factor, blur_kernel)
+    if misfit:
+        raise ValueError(misfit)
     resolve_edge_backend("numba", images)  # ImportError naming the fix without numba
+    radius = (blur_kernel - 1) // 2
     points, means = _edge_points_numba(
         images.detach(), radius, blur_kernel, low, high, relative, norm, strip_rows, factor
     )
     assert means is not None
     return points, means
+
+
+@functools.cache
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("auto", "torch", "numba"):
+        raise ValueError(f"backend={backend!r} is unknown; use 'auto', 'torch' or 'numba'")
+
+
+def numba_allowed(backend: str) -> bool:
+    """Whether ``backend`` (an ``APFConfig.backend``) lets APF run its numba CPU kernels.
+
+    ``"torch"``: never; ``"numba"``: yes, and numba must be installed; ``"auto"``: when numba
+    is installed (logging once when it is not). Each caller still checks that its inputs fit.
+
+    Raises:
+        ValueError: ``backend`` is not one of "auto", "torch", "numba".
+        ImportError: "numba" was asked for and numba is not installed.
+    """
+    global _warned_no_numba
+    _check_backend(backend)
+    if backend == "torch":
+        return False
+    if _numba_installed():
+        return True
+    if backend == "numba":
+        raise ImportError(
+            "backend 'numba' needs numba, which is not installed; `pip install numba` "
+            "(or slipstream[apps]) or use backend='torch'"
+        )
+    if not _warned_no_numba:
+        logger.warning(
+            "APF: numba is not installed, so the CPU kernels fall back to the torch pipeline "
+            "(same edges, several times slower at high resolution); `pip install numba`"
+        )
+        _warned_no_numba = True
+    return False
 
 
 def resolve_edge_backend(backend: str, images: Tensor) -> str:
@@ -580,36 +628,15 @@ def resolve_edge_backend(backend: str, images: Tensor) -> str:
             for images it cannot take (not on the CPU, or not float32/float64/uint8).
         ImportError: "numba" was asked for and numba is not installed.
     """
-    global _warned_no_numba
-    if backend not in ("auto", "torch", "numba"):
-        raise ValueError(
-            f"backend={backend!r} is not an edge backend; use 'auto', 'torch' or 'numba'"
-        )
+    _check_backend(backend)
     fits = images.device.type == "cpu" and images.dtype in _NUMBA_DTYPES
-    if backend == "numba":
-        if not fits:
-            raise ValueError(
-                f"the numba edge backend takes float32/float64/uint8 CPU images, got "
-                f"{images.dtype} on {images.device}; use backend='torch' (any device or dtype) "
-                "or 'auto'"
-            )
-        if importlib.util.find_spec("numba") is None:
-            raise ImportError(
-                "edge backend 'numba' needs numba, which is not installed; `pip install numba` "
-                "(or slipstream[apps]) or use backend='torch'"
-            )
-        return "numba"
-    if backend == "torch" or not fits:
-        return "torch"
-    if importlib.util.find_spec("numba") is None:
-        if not _warned_no_numba:
-            logger.warning(
-                "APF edges: numba is not installed, using the torch strip pipeline (same edges, "
-                "about 4x slower on CPU); `pip install numba` for the fused kernel"
-            )
-            _warned_no_numba = True
-        return "torch"
-    return "numba"
+    if backend == "numba" and not fits:
+        raise ValueError(
+            f"the numba edge backend takes float32/float64/uint8 CPU images, got "
+            f"{images.dtype} on {images.device}; use backend='torch' (any device or dtype) "
+            "or 'auto'"
+        )
+    return "numba" if fits and numba_allowed(backend) else "torch"
 
 
 def _edge_points_numba(
@@ -625,7 +652,7 @@ def _edge_points_numba(
 ) -> tuple[Tensor, Tensor | None]:
     """``edge_points`` through the fused numba kernels, band by band (threads over bands);
     with ``means`` = f > 0 also the (B, C, H / f, W / f) float32 f x f means of ``images``."""
-    from slipstream.vision import _canny_numba as kernels
+    from slipstream.vision import _numba_kernels as kernels
 
     b, c, h, w = images.shape
     dtype = images.dtype if images.is_floating_point() else torch.float32  # compute dtype

@@ -19,7 +19,12 @@ import torch
 from torch import Tensor
 
 from slipstream.config._errors import ConfigError
-from slipstream.vision.edges import edge_points, edge_points_and_means, resolve_edge_backend
+from slipstream.vision.edges import (
+    edge_points,
+    edge_points_and_means,
+    means_misfit,
+    resolve_edge_backend,
+)
 from slipstream.vision.quadtree import (
     Leaves,
     _check_edges,
@@ -309,14 +314,11 @@ class AdaptivePatcher:
         smaller leaves are box-filtered from their own pixels, so every tree is served.
         """
         c = self.config
-        r = images.shape[-1]
         f = _FUSED_FACTOR
         fits = (
             c.image_resize == "area"
-            and images.device.type == "cpu"
-            and images.dtype in (torch.float32, torch.uint8)
-            and r >= 2 * f * c.patch_size
-            and c.blur_kernel < r
+            and images.shape[-1] >= 2 * f * c.patch_size
+            and means_misfit(images, f, c.blur_kernel) is None
         )
         return f if fits and resolve_edge_backend(c.backend, images) == "numba" else 0
 

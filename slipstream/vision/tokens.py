@@ -21,7 +21,6 @@ Both directions are single gathers / strided writes, batched over images and lea
 
 from __future__ import annotations
 
-import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slipstream.vision.edges import numba_allowed
 from slipstream.vision.quadtree import Leaves, _morton_perm
 
 __all__ = ["extract_tokens", "patchify", "tokens_to_image"]
@@ -113,14 +113,6 @@ def resolve_pool_backend(backend: str, images: Tensor, factor: int) -> str:
         ValueError: ``backend`` is not one of "auto", "torch", "numba".
         ImportError: "numba" was asked for and numba is not installed.
     """
-    if backend not in ("auto", "torch", "numba"):
-        raise ValueError(f"backend={backend!r} is unknown; use 'auto', 'torch' or 'numba'")
-    installed = importlib.util.find_spec("numba") is not None
-    if backend == "numba" and not installed:
-        raise ImportError(
-            "backend 'numba' needs numba, which is not installed; `pip install numba` "
-            "(or slipstream[apps]) or use backend='torch'"
-        )
     fits = (
         images.device.type == "cpu"
         and images.dtype in _POOL_DTYPES
@@ -128,27 +120,24 @@ def resolve_pool_backend(backend: str, images: Tensor, factor: int) -> str:
         and images.shape[-1] % factor == 0
         and images.shape[-2] % factor == 0
     )
-    return "numba" if backend != "torch" and fits and installed else "torch"
+    return "numba" if numba_allowed(backend) and fits else "torch"
 
 
 def _pool_numba(images: Tensor, factor: int) -> Tensor:
     """f x f means of a CPU bool/uint8 (B, C, H, W) tensor by the numba integer kernel."""
-    import numpy as np  # numba's dependency, so present whenever this path runs
-
-    from slipstream.vision._pool_numba import box_means
+    from slipstream.vision._numba_kernels import box_means, pool_scratch
 
     b, c, h, w = images.shape
     planes = images.contiguous().view(torch.uint8).view(b * c, h, w).numpy()
     out = torch.empty((b, c, h // factor, w // factor), dtype=torch.float32)
     dst = out.view(b * c, h // factor, w // factor).numpy()
-    # int16 holds a column sum of f bytes for f <= 128 (vectorises twice as wide as int32)
-    acc_dtype = np.int16 if factor <= 128 else np.int32
     n_out = h // factor
     threads = max(1, min(torch.get_num_threads(), n_out // 8))
     bounds = [n_out * k // threads for k in range(threads + 1)]
 
     def band(k: int) -> None:
-        box_means(planes, factor, bounds[k], bounds[k + 1], np.empty(w, acc_dtype), dst)
+        acc, fold = pool_scratch(1, w, factor, planes.dtype)
+        box_means(planes, bounds[k], bounds[k + 1], acc, fold, dst)
 
     if threads == 1:
         band(0)
@@ -209,12 +198,12 @@ def _levels_from_means(
 
 def _leaf_means(images: Tensor, bi: Tensor, ys: Tensor, xs: Tensor, side: int, p: int) -> Tensor:
     """(n, C, P, P) float32 box means of the ``side`` x ``side`` leaves at (bi, ys, xs)."""
-    from slipstream.vision._pool_numba import leaf_means
+    from slipstream.vision._numba_kernels import leaf_means, pool_scratch
 
+    x = images.contiguous().numpy()
     out = torch.empty((bi.numel(), images.shape[1], p, p), dtype=torch.float32)
-    leaf_means(
-        images.contiguous().numpy(), bi.numpy(), ys.numpy(), xs.numpy(), side, p, out.numpy()
-    )
+    acc, fold = pool_scratch(images.shape[1], side, side // p, x.dtype)
+    leaf_means(x, bi.numpy(), ys.numpy(), xs.numpy(), side, acc, fold, out.numpy())
     return out
 
 

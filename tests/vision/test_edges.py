@@ -188,7 +188,7 @@ def test_edge_backend_errors_name_the_fix() -> None:
 def test_numba_hysteresis_equals_the_torch_components() -> None:
     """Union-find over merged neighbour lists keeps exactly the torch pass's pixels."""
     pytest.importorskip("numba")
-    from slipstream.vision._canny_numba import hysteresis
+    from slipstream.vision._numba_kernels import hysteresis
     from slipstream.vision.edges import _hysteresis_sparse
 
     g = torch.Generator().manual_seed(0)
@@ -226,3 +226,22 @@ def test_edge_points_and_means_pool_the_image_in_the_edge_pass() -> None:
         edge_points_and_means(u8, 12)
     with pytest.raises(ValueError, match=r"float32 or uint8 CPU images, got torch.float64"):
         edge_points_and_means(images.double(), 8)
+
+
+def test_without_numba_auto_falls_back_to_torch_and_numba_names_the_fix(monkeypatch) -> None:
+    """One backend rule for edges and pooling: 'auto' uses torch (logging once), 'numba' raises."""
+    from slipstream.vision import edges
+    from slipstream.vision.tokens import resolve_pool_backend
+
+    monkeypatch.setattr(edges, "_numba_installed", lambda: False)
+    monkeypatch.setattr(edges, "_warned_no_numba", False)
+    x = (torch.rand(1, 3, 16, 16) * 255).to(torch.uint8)
+    assert edges.resolve_edge_backend("auto", x) == "torch"
+    assert resolve_pool_backend("auto", x, 8) == "torch"
+    assert edges._warned_no_numba
+    for resolve in (lambda: edges.resolve_edge_backend("numba", x),
+                    lambda: resolve_pool_backend("numba", x, 8)):  # fmt: skip
+        with pytest.raises(ImportError, match=r"pip install numba"):
+            resolve()
+    with pytest.raises(ValueError, match=r"backend='gpu' is unknown"):
+        resolve_pool_backend("gpu", x, 8)

@@ -1,18 +1,26 @@
-"""The APF edge pipeline (grey -> blur -> Sobel -> non-maximum suppression) as one CPU loop.
+"""The CPU kernels of APF preprocessing (numba: compiled on first use, cached on disk).
 
-numba kernels (compiled on first use and cached on disk; nothing is built at install time)
-behind :func:`slipstream.vision.edges.edge_points` with ``backend="numba"``. The eager torch
-pipeline makes about twenty passes over every row strip; this makes one: each grey row is
-computed, blurred, differentiated and thinned while it is in cache, in a ring of a few rows,
-and only the surviving edge candidates leave the kernel; union-find :func:`hysteresis` then
-joins them. Optionally every image row is also added into f x f means as it is read
-(``band_edges(coarse=...)``), so the tokens need no second pass over the image.
+One module, so numba's on-disk cache, which is keyed to the file a kernel is defined in,
+never keeps a kernel compiled against an older version of a helper it calls.
 
-The edge output is *identical* to the torch backend, not merely close: every rounding is the same.
-Where torch computes ``a + alpha * b`` (``add_`` with ``alpha``, ``addcmul_``) its CPU kernels
-(and CUDA's) use a fused multiply-add, so the kernels here call ``llvm.fma`` at exactly those
+**Edges** (:func:`band_edges`, :func:`band_peak`, :func:`hysteresis`), behind
+:func:`slipstream.vision.edges.edge_points` with ``backend="numba"``. The eager torch
+pipeline (grey -> blur -> Sobel -> non-maximum suppression) makes about twenty passes over
+every row strip; this makes one: each grey row is computed, blurred, differentiated and
+thinned while it is in cache, in a ring of a few rows, and only the surviving edge candidates
+leave the kernel; union-find :func:`hysteresis` then joins them. The edge output is
+*identical* to the torch backend, not merely close: every rounding is the same. Where torch
+computes ``a + alpha * b`` (``add_`` with ``alpha``, ``addcmul_``) its CPU kernels (and
+CUDA's) use a fused multiply-add, so the kernels here call ``llvm.fma`` at exactly those
 places; everything else is a plain IEEE operation in the image's dtype (numba does not
 contract ``a * b + c`` without fast-math). Tests compare the two backends bit for bit.
+
+**Box means** for tokens, all through one row kernel, :func:`pool_row` (column sums of f rows
+in an integer or float32 row, then pairwise folds of neighbours): inside the edge pass, which
+adds every image row into f x f means as it reads it (``band_edges(coarse=...)``), so the
+tokens need no second pass over the image; over whole bool/uint8 planes (:func:`box_means`,
+behind ``tokens._pool_strips``), exact, never converting to float; and over single leaves
+(:func:`leaf_means`, for leaves below the level the edge pass pooled).
 """
 
 from __future__ import annotations
@@ -22,7 +30,15 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["band_edges", "band_peak", "hysteresis"]
+__all__ = [
+    "band_edges",
+    "band_peak",
+    "box_means",
+    "hysteresis",
+    "leaf_means",
+    "pool_row",
+    "pool_scratch",
+]
 
 
 @intrinsic
@@ -92,46 +108,6 @@ def _grey_hblur(img, j, luma, taps, g, out):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _pool_row(img, j, acc, fold, coarse):  # type: ignore[no-untyped-def]
-    """Add image row ``j`` (all channels) into the f x f means ``coarse`` (C, H / f, W / f).
-
-    ``acc`` (C, W) holds the column sums of the current f rows (int16 for uint8 pixels and
-    f <= 128: exact, and twice the lanes of float32; float32 otherwise): row ``j % f == 0``
-    starts them, row ``j % f == f - 1`` reduces every f neighbours into one output row.
-    Rows must come in order within each group of f (the kernels read them ascending).
-    Integer pixels (uint8) sum exactly; float sums round like any float32 sum.
-    """
-    c, h, w = img.shape
-    f = h // coarse.shape[1]
-    wo = coarse.shape[2]
-    dy = j % f
-    inv = np.float32(1.0) / np.float32(f * f)  # exact: f is a power of two
-    for ch in range(c):
-        row = img[ch, j]
-        a = acc[ch]
-        if dy == 0:
-            for x in range(w):
-                a[x] = row[x]
-        else:
-            for x in range(w):
-                a[x] += row[x]
-        if dy == f - 1:  # fold neighbouring pairs log2(f) times (vectorises; exact for uint8)
-            n = w // 2
-            for x in range(n):
-                fold[0, x] = np.float32(a[2 * x]) + np.float32(a[2 * x + 1])
-            src = 0
-            while n > wo:
-                n //= 2
-                u, v = fold[src], fold[1 - src]
-                for x in range(n):
-                    v[x] = u[2 * x] + u[2 * x + 1]
-                src = 1 - src
-            dst, u = coarse[ch, j // f], fold[src]
-            for ox in range(wo):
-                dst[ox] = u[ox] * inv
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
 def _sobel_row(
     img, luma, taps, s, state, hring, bring, gi, gj, score, squared, cacc, cfold, coarse
 ):  # type: ignore[no-untyped-def]
@@ -141,7 +117,7 @@ def _sobel_row(
     first and end row to pool]; ``hring`` (slot ``row % len``) and ``bring`` (slot
     ``row % 4``, column-padded) are the grey and blurred rings. Blurred rows outside the image
     repeat the border row (``F.pad`` "replicate"), as in the torch pipeline. Image rows in
-    the pooling range are also added into ``coarse`` (see :func:`_pool_row`) as they are read.
+    the pooling range are also added into ``coarse`` (see :func:`pool_row`) as they are read.
     """
     _, h, w = img.shape
     r = (taps.shape[0] - 1) // 2
@@ -153,7 +129,7 @@ def _sobel_row(
             state[0] += 1
             _grey_hblur(img, state[0], luma, taps, hring[nh - 1], hring[state[0] % (nh - 1)])
             if state[2] <= state[0] < state[3]:  # the band's own rows, each read once
-                _pool_row(img, state[0], cacc, cfold, coarse)
+                pool_row(img, state[0], cacc, cfold, coarse)
         o = bring[k % 4]
         if r == 0:
             src = hring[k % (nh - 1)]
@@ -247,7 +223,7 @@ def _band_edges(img, luma, taps, top, bottom, th, squared,
     n = 0
     if q1 <= q0:
         for j in range(state[2], state[3]):  # no Sobel row here, but the pixels still pool
-            _pool_row(img, j, cacc, cfold, coarse)
+            pool_row(img, j, cacc, cfold, coarse)
         return n
     bound, low, high, one = th[0], th[1], th[2], th[3]
     _start(state, taps, q0 - 1)
@@ -319,6 +295,18 @@ def _no_pool() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
+def pool_scratch(c: int, w: int, factor: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``acc`` and ``fold`` for :func:`pool_row` on ``c`` channels of width ``w`` of ``dtype``
+    pixels: int16 column sums of uint8 for f <= 128 (int32 above: f * 255 must fit), float32
+    for floats; float64 folds where f * f * 255 would pass 2**24, so integer sums stay exact."""
+    if dtype == np.uint8:
+        acc = np.empty((c, w), np.int16 if factor <= 128 else np.int32)
+    else:
+        acc = np.empty((c, w), np.float32)
+    wide = dtype == np.uint8 and factor * factor * 255 >= 1 << 24
+    return acc, np.empty((2, max(w // 2, 1)), np.float64 if wide else np.float32)
+
+
 def band_edges(
     img: np.ndarray,
     luma: np.ndarray,
@@ -345,10 +333,7 @@ def band_edges(
         pool = _no_pool()
     else:
         rings[0][2:] = (top, bottom)
-        f = h // coarse.shape[1]
-        exact16 = img.dtype == np.uint8 and f <= 128  # f * 255 fits an int16
-        acc = np.empty((c, w), np.int16 if exact16 else np.float32)
-        pool = (acc, np.empty((2, w // 2), np.float32), coarse)
+        pool = (*pool_scratch(c, w, h // coarse.shape[1], img.dtype), coarse)
     n = _band_edges(img, luma, taps, top, bottom, th, squared, *rings, *pool, idx, strong)
     return idx[:n], strong[:n]
 
@@ -393,3 +378,66 @@ def hysteresis(idx, strong, width):  # type: ignore[no-untyped-def]
     for i in range(n):
         keep[i] = lit[_find(parent, i)]
     return idx[keep]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def pool_row(img, j, acc, fold, coarse):  # type: ignore[no-untyped-def]
+    """Add image row ``j`` (all channels) into the f x f means ``coarse`` (C, H / f, W / f).
+
+    ``acc`` (C, >= W) holds the column sums of the current f rows (int16 for uint8 pixels and
+    f <= 128: exact, and twice the lanes of float32; float32 otherwise): row ``j % f == 0``
+    starts them, row ``j % f == f - 1`` folds neighbouring pairs log2(f) times through
+    ``fold`` (2, >= W / 2; float32, or float64 where f * f * 255 reaches 2**24) into one
+    output row. Rows must come in order within each group of f. Integer pixels (uint8) sum
+    exactly; float sums round like any float32 sum.
+    """
+    c, h, w = img.shape
+    f = h // coarse.shape[1]
+    wo = coarse.shape[2]
+    dy = j % f
+    inv = np.float32(1.0) / np.float32(f * f)  # exact: f is a power of two
+    for ch in range(c):
+        row = img[ch, j]
+        a = acc[ch]
+        if dy == 0:
+            for x in range(w):
+                a[x] = row[x]
+        else:
+            for x in range(w):
+                a[x] += row[x]
+        if dy == f - 1:  # pairwise folds vectorise; integer sums stay exact in ``fold``
+            n = w // 2
+            for x in range(n):
+                fold[0, x] = a[2 * x] + a[2 * x + 1]
+            src = 0
+            while n > wo:
+                n //= 2
+                u, v = fold[src], fold[1 - src]
+                for x in range(n):
+                    v[x] = u[2 * x] + u[2 * x + 1]
+                src = 1 - src
+            dst, u = coarse[ch, j // f], fold[src]
+            for ox in range(wo):
+                dst[ox] = u[ox] * inv
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def box_means(planes, row0, row1, acc, fold, out):  # type: ignore[no-untyped-def]
+    """Output rows ``row0:row1`` of the f x f means of ``planes`` (P, H, W) uint8 into
+    ``out`` (P, H / f, W / f) float32, plane by plane through :func:`pool_row`."""
+    f = planes.shape[1] // out.shape[1]
+    for p in range(planes.shape[0]):
+        for j in range(row0 * f, row1 * f):
+            pool_row(planes[p : p + 1], j, acc, fold, out[p : p + 1])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def leaf_means(images, bi, ys, xs, side, acc, fold, out):  # type: ignore[no-untyped-def]
+    """P x P box means of the ``side`` x ``side`` leaves at (``bi``, ``ys``, ``xs``) of
+    ``images`` (B, C, H, W) into ``out`` (n, C, P, P) float32: each leaf's own pixels only,
+    through :func:`pool_row`."""
+    for i in range(bi.shape[0]):
+        y, x = ys[i], xs[i]
+        leaf = images[bi[i], :, y : y + side, x : x + side]
+        for j in range(side):
+            pool_row(leaf, j, acc, fold, out[i])
