@@ -502,10 +502,31 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
         raise ConfigError("sparse_gradients = true is not supported: set it to false")
     if cfg.fp16.fp16_master_weights_and_grads:
         raise ConfigError("fp16.fp16_master_weights_and_grads is not implemented yet; remove it")
+    _check_nonfinite_policy(cfg)
     bf16 = cfg.bf16
     if bf16.bf16_optimizer_states != bf16.bf16_master_weights_and_grads:
         raise ConfigError(
             f"bf16.bf16_master_weights_and_grads = {bf16.bf16_master_weights_and_grads} and "
             f"bf16.bf16_optimizer_states = {bf16.bf16_optimizer_states}: slipstream's optimizers "
             "keep their states in the master-weight dtype, so set both to the same value"
+        )
+
+
+def _check_nonfinite_policy(cfg: SlipstreamConfig) -> None:
+    """``nonfinite_gradients`` against the precision; an explicit opt-out is not honoured."""
+    if cfg.nonfinite_gradients == "error" and cfg.fp16.enabled and cfg.fp16.loss_scale == 0:
+        raise ConfigError(
+            "config key 'nonfinite_gradients' = 'error' with fp16 dynamic loss scaling: an "
+            "overflow is how dynamic scaling finds its scale, so those steps are always "
+            "skipped; use 'skip', bf16, or a static fp16.loss_scale"
+        )
+    if cfg.bf16.check_grad_overflow is False:
+        action = "skips" if cfg.nonfinite_gradients == "skip" else "raises on"
+        warnings.warn(
+            "config key 'bf16.check_grad_overflow' = false is not honoured: slipstream checks "
+            "the gradient norm for inf/nan in every precision (it costs nothing extra) and "
+            f"{action} such steps (see 'nonfinite_gradients'); remove "
+            "the key to silence this warning",
+            UserWarning,
+            stacklevel=3,
         )

@@ -41,8 +41,10 @@ class BF16Config(StrictModel):
     """Train the model in bf16."""
     immediate_grad_update: bool = False
     """Accepted for compatibility (a DeepSpeed bf16-optimizer scheduling detail)."""
-    check_grad_overflow: bool = False
-    """Skip the step when a gradient is inf/nan (as fp16 does)."""
+    check_grad_overflow: bool | None = None
+    """Accepted for compatibility. slipstream checks the gradient norm for inf/nan in every
+    precision (it is computed anyway) and skips or raises as ``nonfinite_gradients`` says;
+    an explicit false cannot turn the check off (the loader warns)."""
     bf16_master_weights_and_grads: bool = False
     """Keep master weights and gradient accumulation in bf16 instead of fp32."""
     bf16_optimizer_states: bool = False

@@ -126,6 +126,13 @@ class SlipstreamConfig(StrictModel):
     """LR scheduler built by ``initialize`` when no client scheduler is given."""
     gradient_clipping: float = Field(0.0, ge=0.0)
     """Clip the global gradient norm (over all ranks) to this value; 0 disables."""
+    nonfinite_gradients: Literal["skip", "error"] = "skip"
+    """(slipstream) What an optimizer step does when the global gradient norm is inf or nan
+    (a non-finite loss or gradient on any rank) in fp32, bf16 or fp16 with a static loss
+    scale: "skip" leaves parameters, optimizer state and the lr schedule unchanged on every
+    rank, counts ``skipped_steps`` and logs a warning naming the step (as fp16 overflow
+    does); "error" raises ``NonFiniteGradientError`` on every rank. fp16 with dynamic loss
+    scaling always skips: an overflow is how it finds the scale."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     """fp16 mixed precision."""
     bf16: BF16Config = Field(default_factory=BF16Config, alias="bfloat16")

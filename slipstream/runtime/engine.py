@@ -7,6 +7,7 @@ them in order, with DeepSpeed's method names.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,9 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from slipstream._logging import log_rank0
+from slipstream._logging import log_rank0, logger
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
+from slipstream.runtime.precision import (
+    NonFiniteGradientError,
+    nonfinite_error_message,
+    skipped_step_message,
+)
 from slipstream.runtime.timers import StepTimers
 from slipstream.zero import ZeroOptimizer
 
@@ -107,7 +113,8 @@ class Engine(nn.Module):
         return None if self.optimizer is None else self.optimizer.global_grad_norm
 
     def was_step_applied(self) -> bool:
-        """False when the last boundary step was skipped (fp16 overflow)."""
+        """False when the last boundary step was skipped (inf/nan gradients, e.g. an fp16
+        overflow or a non-finite loss on any rank)."""
         return self._step_applied
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -167,25 +174,24 @@ class Engine(nn.Module):
                 "engine.step() inside engine.no_sync() is not allowed: leave the context first"
             )
         opt = self._require_optimizer()
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
+        error: NonFiniteGradientError | None = None
+        if self.is_gradient_accumulation_boundary():
             with self._timers.phase("step"):
                 self._step_applied = opt.step()
+            # As DeepSpeed: a skipped step leaves the lr schedule alone but counts as a step.
             if self._step_applied:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
-                log_rank0(
-                    "step %d skipped: gradient overflow; loss scale is now %s",
-                    self.global_steps + 1,
-                    opt.loss_scale,
-                )
+                error = self._report_skipped_step(opt)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._maybe_print()
         self.micro_steps += 1
         self._boundary_override = None
+        if error is not None:
+            raise error
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (parameters' ``.grad`` are always None here)."""
@@ -300,6 +306,26 @@ class Engine(nn.Module):
                 "'optimizer' block to the config"
             )
         return self.optimizer
+
+    def _report_skipped_step(self, opt: ZeroOptimizer) -> NonFiniteGradientError | None:
+        """Log a step skipped for non-finite gradients, or return the error to raise.
+
+        Every rank reaches the same verdict (the norm is reduced over all ranks), so the
+        error, when configured, is raised everywhere at the same step and nobody hangs.
+        """
+        step, norm = self.global_steps + 1, opt.global_grad_norm
+        if self._last_loss is not None and not bool(torch.isfinite(self._last_loss).all()):
+            # Rank-local hint (no communication): which rank produced the bad loss.
+            logger.warning(
+                "rank %d: the last loss before step %d is %s",
+                comm.get_rank(),
+                step,
+                float(self._last_loss),
+            )
+        if self.config.nonfinite_gradients == "error" and not opt.loss_scaler.dynamic:
+            return NonFiniteGradientError(nonfinite_error_message(step, norm))
+        log_rank0(skipped_step_message(step, norm, opt.loss_scaler), level=logging.WARNING)
+        return None
 
     def _maybe_print(self) -> None:
         every = self.config.steps_per_print

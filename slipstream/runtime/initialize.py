@@ -141,7 +141,6 @@ def initialize(
         step = StepPolicy(
             loss_scaler=LossScaler(cfg.fp16),
             clip=cfg.gradient_clipping,
-            check_overflow=cfg.fp16.enabled or cfg.bf16.check_grad_overflow,
             prescale_gradients=cfg.prescale_gradients,
             predivide_factor=cfg.gradient_predivide_factor,
             sub_group_size=cfg.zero_optimization.sub_group_size,

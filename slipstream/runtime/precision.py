@@ -15,7 +15,13 @@ import torch
 
 from slipstream.config.precision import BF16Config, DataTypesConfig, FP16Config
 
-__all__ = ["LossScaler", "PrecisionPolicy"]
+__all__ = [
+    "LossScaler",
+    "NonFiniteGradientError",
+    "PrecisionPolicy",
+    "nonfinite_error_message",
+    "skipped_step_message",
+]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -59,6 +65,39 @@ class PrecisionPolicy:
             accum = _DTYPES[data_types.grad_accum_dtype]
         reduce = _DTYPES[communication_data_type] if communication_data_type else accum
         return cls(param, master, accum, reduce)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """The global gradient norm of a step is inf or nan and ``nonfinite_gradients`` is
+    ``"error"``. Raised on every rank at the same step (the norm is reduced over all of
+    them); the step was not applied."""
+
+
+def skipped_step_message(step: int, norm: float | None, scaler: LossScaler) -> str:
+    """The log line for a step skipped because its gradients are not finite.
+
+    Only dynamic fp16 scaling names a loss scale: fp32 and bf16 have none.
+    """
+    if scaler.dynamic:
+        return (
+            f"step {step} skipped: gradient overflow (grad norm {norm}); loss scale is now "
+            f"{scaler.scale}"
+        )
+    return (
+        f"step {step} skipped: the global gradient norm is {norm} (an inf/nan loss or "
+        "gradient on at least one rank); parameters, optimizer state and the lr schedule "
+        "are unchanged on every rank"
+    )
+
+
+def nonfinite_error_message(step: int, norm: float | None) -> str:
+    """The message of ``NonFiniteGradientError``."""
+    return (
+        f"step {step}: the global gradient norm is {norm} (an inf/nan loss or gradient on at "
+        "least one rank); the step was not applied. Look for the first non-finite loss or "
+        'activation (lower the lr, check the data), or set "nonfinite_gradients": "skip" '
+        "to skip such steps with a warning"
+    )
 
 
 class LossScaler:

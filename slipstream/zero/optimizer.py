@@ -40,7 +40,8 @@ class StepPolicy:
     Attributes:
         loss_scaler: fp16 loss scale (``enabled=False`` for fp32/bf16).
         clip: global gradient-norm clip (0 disables).
-        check_overflow: skip the step when gradients are not finite.
+        check_overflow: skip the step when the global gradient norm is inf/nan (every rank
+            agrees: the norm is reduced over all of them). On by default in every precision.
         prescale_gradients: divide gradients by ``predivide_factor`` before reduction.
         predivide_factor: see ``prescale_gradients``.
         sub_group_size: largest tensor handed to an elementwise optimizer.
@@ -61,7 +62,7 @@ class StepPolicy:
 
     loss_scaler: LossScaler
     clip: float = 0.0
-    check_overflow: bool = False
+    check_overflow: bool = True
     prescale_gradients: bool = False
     predivide_factor: float = 1.0
     sub_group_size: int = OPTIMIZER_CHUNK
@@ -358,7 +359,15 @@ class ZeroOptimizer:
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
         """L2 norm of the whole model's gradient: over data-, tensor- and pipeline-parallel
-        ranks, each element counted once."""
+        ranks, each element counted once.
+
+        Every rank gets a non-finite result when any rank holds an inf/nan gradient, which
+        is what lets ``step`` skip (or raise) everywhere at once: the data-parallel squares
+        are all-reduced at stages 1-3 (at stage 0 the gradients themselves were, and a sum
+        keeps inf/nan), the tensor- and pipeline-parallel reductions carry them the rest of
+        the way. Communication: at most one small all-reduce per group, none at stage 0
+        without model parallelism.
+        """
         device = grads[0].device if grads else torch.device("cpu")
         sq = torch.zeros(3, dtype=torch.float32, device=device)  # tp-sharded, replicated, skip
         for g, parts in zip(grads, self._norm_parts):
@@ -370,9 +379,13 @@ class ZeroOptimizer:
         if self.partition:
             comm.all_reduce(sq, group=self.group, label="grad_norm")
         if self.tp_group is not None:
-            sharded = sq[:1].clone()
-            comm.all_reduce(sharded, group=self.tp_group, label="grad_norm")
-            sq[0] = sharded[0]
+            # Replicated parameters are counted once, so their squares stay local; send
+            # ``sq[1] * 0`` along (0 when finite, nan otherwise) so that a non-finite value on
+            # one tensor-parallel rank reaches all of them in the same message.
+            both = torch.stack([sq[0], sq[1] * 0])
+            comm.all_reduce(both, group=self.tp_group, label="grad_norm")
+            sq[0] = both[0]
+            sq[1] += both[1]
         total = sq[:2].sum()
         if self.pp_group is not None:
             comm.all_reduce(total, group=self.pp_group, label="grad_norm")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -172,3 +173,35 @@ def test_not_yet_implemented_trivial_values_accepted(key: str, value: Any) -> No
 def test_not_yet_implemented_scalar_values_rejected(key: str, value: Any, fragment: str) -> None:
     """Non-trivial values of unimplemented keys name the key, the value and why."""
     _error(_cfg(**{key: value}), f"config key '{key}' = {value!r} cannot be honoured", fragment)
+
+
+# --- non-finite gradients (issue 19, item 6) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [{}, {"bf16": {"enabled": True}}, {"fp16": {"enabled": True, "loss_scale": 128}}],
+    ids=["fp32", "bf16", "fp16-static"],
+)
+def test_nonfinite_gradients_error_accepted_without_dynamic_scaling(blocks: dict) -> None:
+    """ "error" is accepted wherever a non-finite norm is not part of loss scaling."""
+    assert parse_config(_cfg(**blocks)).nonfinite_gradients == "skip"
+    cfg = parse_config(_cfg(nonfinite_gradients="error", **blocks))
+    assert cfg.nonfinite_gradients == "error"
+
+
+def test_nonfinite_gradients_error_refused_with_dynamic_fp16() -> None:
+    """Dynamic fp16 scaling overflows by design, so "error" there is a config error."""
+    _error(
+        _cfg(nonfinite_gradients="error", fp16={"enabled": True}),
+        "config key 'nonfinite_gradients' = 'error' with fp16 dynamic loss scaling",
+    )
+
+
+def test_bf16_check_grad_overflow_false_warns_that_the_check_stays() -> None:
+    """DeepSpeed's opt-out cannot turn the check off; saying so beats a silent drop."""
+    with pytest.warns(UserWarning, match=r"'bf16.check_grad_overflow' = false is not honoured"):
+        parse_config(_cfg(bf16={"enabled": True, "check_grad_overflow": False}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_config(_cfg(bf16={"enabled": True, "check_grad_overflow": True}))
