@@ -1,4 +1,11 @@
-"""Strict pydantic base model: unknown keys and bad values become ``ConfigError``."""
+"""Strict pydantic base model: unknown keys and bad values become ``ConfigError``.
+
+Types are strict, the same way for every key: no string-to-number, number-to-bool or
+bool-to-number conversion (DeepSpeed's JSON has real booleans and numbers, so a quoted
+``"2"`` or a ``1`` for a switch is a mistake worth naming). Two conversions remain because
+JSON has a single number type: an integer is accepted where a float is expected (``"lr": 1``)
+and an integral float where an integer is expected (``"reduce_bucket_size": 5e8``).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,53 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
-from slipstream.config._errors import ConfigError, unknown_key_message
+from slipstream.config._errors import ConfigError, type_error_message, unknown_key_message
 
 __all__ = ["StrictModel", "check_keys", "validate_model"]
 
 
-class StrictModel(BaseModel):
-    """Base of every typed config: extra keys forbidden, values validated on assignment."""
+def _union_args(annotation: Any) -> tuple[Any, ...]:
+    """The members of ``X | Y`` (or ``(annotation,)`` when it is not a union)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+def _wants_int(annotation: Any) -> bool:
+    args = _union_args(annotation)
+    return int in args and float not in args
+
+
+def _bool_literal(annotation: Any) -> bool:
+    """``Literal[False]``-style fields: Python's ``0 == False`` would let 0 through."""
+    return typing.get_origin(annotation) is typing.Literal and all(
+        isinstance(a, bool) for a in typing.get_args(annotation)
+    )
+
+
+class StrictModel(BaseModel):
+    """Base of every typed config: extra keys forbidden, strict types (see the module
+    docstring), values validated on assignment."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, strict=True
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Integral floats become ints for integer fields; booleans-only literals get bools."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None:
+            return value
+        if isinstance(value, float) and value.is_integer() and _wants_int(field.annotation):
+            return int(value)
+        if _bool_literal(field.annotation) and not isinstance(value, bool):
+            raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+        return value
 
 
 def _nested_model(annotation: Any) -> type[StrictModel] | None:
@@ -69,5 +112,6 @@ def validate_model(model_cls: type[StrictModel], data: Any, where: str) -> Any:
             loc = ".".join(str(p) for p in err["loc"])
             path = f"{where}.{loc}" if where and loc else (where or loc)
             value = err.get("input")
-            lines.append(f"config key '{path}' = {value!r}: {err['msg']}")
+            typed = type_error_message(path, value, err["type"])
+            lines.append(typed or f"config key '{path}' = {value!r}: {err['msg']}")
         raise ConfigError("; ".join(lines)) from None

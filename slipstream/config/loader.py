@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config._base import validate_model
-from slipstream.config._errors import ConfigError
+from slipstream.config._errors import ConfigError, type_error_message
 from slipstream.config.parallel import check_parallel_config
 from slipstream.config.schema import NOT_YET_IMPLEMENTED, SlipstreamConfig
 
@@ -84,14 +84,24 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
     """Read a config from a mapping, a JSON/HJSON file path, or a base64-encoded JSON string.
 
     Raises:
-        ConfigError: unreadable file, duplicate keys, or a string that is neither a path
-            nor base64 JSON.
+        ConfigError: a value of another type, a directory, an unreadable or empty file,
+            duplicate keys, or a string that is neither a path nor base64 JSON.
     """
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
+    if not isinstance(config, str | os.PathLike):
+        raise ConfigError(
+            f"config = {config!r} ({type(config).__name__}) is not a config: pass a dict, a "
+            "path to a JSON/HJSON file, a base64-encoded JSON string or a SlipstreamConfig"
+        )
     path = Path(config)
     if path.is_file():
-        return _parse_text(path.read_text(), f"config file '{path}'")
+        return _parse_text(_read(path), f"config file '{path}'")
+    if path.is_dir():
+        raise ConfigError(
+            f"config path '{path}' is a directory: pass the JSON/HJSON file inside it "
+            "(e.g. ds_config.json)"
+        )
     text = str(config)
     not_found = ConfigError(
         f"config '{text}' is not an existing file and not base64-encoded JSON: "
@@ -108,9 +118,28 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
         raise not_found from None
 
 
+def _read(path: Path) -> str:
+    """The file's text, or a ConfigError naming the path and the reason."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file '{path}': {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start}): "
+            "is it the right file?"
+        ) from None
+
+
 def _parse_text(text: str, source: str) -> dict[str, Any]:
     """JSON, else HJSON (DeepSpeed accepts both); the top level must be an object."""
     import hjson
+
+    if not text.strip():
+        raise ConfigError(
+            f"{source} is empty: it must hold a JSON object with at least a batch size, e.g. "
+            '{"train_micro_batch_size_per_gpu": 4}'
+        )
 
     try:
         data: Any = json.loads(text, object_pairs_hook=_reject_duplicates)
@@ -178,6 +207,10 @@ def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
         if key not in raw:
             continue
         value = raw[key]
+        if isinstance(value, dict) and not isinstance(value.get("enabled", False), bool):
+            raise ConfigError(
+                type_error_message(f"{key}.enabled", value["enabled"], "bool_type") or key
+            )
         # Blocks whose DeepSpeed default is "enabled": false are off unless enabled is set;
         # blocks without an enabled switch are on as soon as they hold any option.
         default_on = key in _BLOCKS_WITHOUT_ENABLED

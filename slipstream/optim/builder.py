@@ -30,7 +30,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as torch_lr_scheduler
 
-from slipstream.config._errors import ConfigError, did_you_mean
+from slipstream.config._errors import ConfigError, did_you_mean, type_error_message
 from slipstream.optim.lamb import Lamb
 from slipstream.optim.lion import Lion
 from slipstream.optim.schedules import (
@@ -198,6 +198,53 @@ def _check_keys(section: str, cls: type, kwargs: Mapping[str, Any], extra: Itera
             )
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | torch.Tensor) and not isinstance(value, bool)
+
+
+def _type_error(section: str, key: str, value: Any, default: Any) -> str | None:
+    """Why ``value`` cannot stand where the constructor's default is ``default``, or None.
+
+    The default's type is the contract (torch writes ``momentum: float = 0``, so an int
+    default means "a number"); None or other defaults are not checked. A list of numbers
+    passes for a number: DeepSpeed's schedules take one value per param group.
+    """
+    path = f"{section}.params.{key}"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else type_error_message(path, value, "bool_type")
+    if _is_number(default):
+        per_group = isinstance(value, list | tuple) and all(_is_number(v) for v in value)
+        ok = _is_number(value) or per_group
+        return None if ok else type_error_message(path, value, "float_type")
+    if isinstance(default, str):
+        return None if isinstance(value, str) else type_error_message(path, value, "string_type")
+    if isinstance(default, tuple) and default and all(_is_number(d) for d in default):
+        if isinstance(value, list | tuple) and all(_is_number(v) for v in value):
+            return None
+        return f"config key '{path}' = {value!r}: expected a list of numbers like {list(default)}"
+    return None
+
+
+def _check_types(section: str, cls: type, kwargs: dict[str, Any]) -> None:
+    """Every value has the JSON type of its constructor default (no string or boolean
+    stands for a number), so a typo is named here rather than deep inside the class.
+
+    As in the typed config, an integral float becomes an int where the default is an int
+    (``"warmup_num_steps": 1e3``): JSON has a single number type.
+    """
+    params = inspect.signature(cls).parameters
+    for key, value in kwargs.items():
+        param = params.get(key)
+        if param is None or param.default is param.empty:
+            continue
+        problem = _type_error(section, key, value, param.default)
+        if problem is not None:
+            raise ConfigError(problem)
+        int_default = isinstance(param.default, int) and not isinstance(param.default, bool)
+        if int_default and isinstance(value, float) and value.is_integer():
+            kwargs[key] = int(value)
+
+
 def _construct(section: str, cls: type, first: Any, kwargs: dict[str, Any]) -> Any:
     try:
         return cls(first, **kwargs)
@@ -235,6 +282,7 @@ def build_optimizer(
         )
     choice = _resolve_optimizer(type_name, params)
     _check_keys("optimizer", choice.cls, choice.kwargs, choice.ds_keys)
+    _check_types("optimizer", choice.cls, choice.kwargs)
     kwargs = {**choice.ds_defaults, **choice.kwargs}
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
@@ -292,4 +340,5 @@ def build_scheduler(
         )
     kwargs = dict(params)
     _check_keys("scheduler", cls, kwargs, ())
+    _check_types("scheduler", cls, kwargs)
     return _construct("scheduler", cls, optimizer, kwargs)

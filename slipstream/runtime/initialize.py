@@ -210,6 +210,8 @@ def _parallel_dims(config: Any, model: nn.Module) -> ParallelDims:
     for key, value in sizes.items():
         if value is None or value == "auto":
             sizes[key] = None
+        elif isinstance(value, float) and value.is_integer() and value >= 1:
+            sizes[key] = int(value)  # JSON has one number type (as the typed config accepts)
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
     stages = _pipeline_stages(model, sizes["pipeline.stages"])

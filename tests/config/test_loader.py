@@ -311,8 +311,8 @@ def test_out_of_range_value_names_path(dotted: str, value: Any, constraint: str)
 @pytest.mark.parametrize(
     "dotted, value, fragment",
     [
-        ("fp16", True, "valid dictionary"),
-        ("bf16.enabled", "maybe", "valid boolean"),
+        ("fp16", True, "expected an object ({...}), got a boolean"),
+        ("bf16.enabled", "maybe", "expected true or false, got a string"),
         ("communication_data_type", "fp64", "'fp32', 'fp16' or 'bf16'"),
         ("data_types.grad_accum_dtype", "fp64", "'fp32', 'fp16' or 'bf16'"),
         ("zero_optimization.offload_optimizer.device", "gpu", "'none', 'cpu' or 'nvme'"),
