@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 import slipstream
 from slipstream.models import GPT, GPTConfig
+from slipstream.utils import RepeatingLoader
 
 
 def main() -> None:
@@ -52,9 +53,9 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"resumed {path} at step {engine.global_steps} on {world} rank(s), stage "
                   f"{args.stage}; probe loss {loss:.5f} (saved: {client['probe_loss']:.5f})")  # fmt: skip
-    it = iter(loader)
+    batches = RepeatingLoader(loader)  # epoch after epoch, however many runs resume
     for _ in range(args.steps):
-        (batch,) = next(it)
+        (batch,) = next(batches)
         engine.backward(engine(batch[:, :-1], batch[:, 1:]))
         engine.step()
     loss = engine(probe[:, :-1], probe[:, 1:]).item()

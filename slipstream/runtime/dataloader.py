@@ -113,7 +113,9 @@ def build_dataloader(
 class RepeatingLoader:
     """Iterate ``loader`` forever (DeepSpeed's ``deepspeed.utils.RepeatingLoader``): when a
     pass ends the next one starts, with the next epoch's shuffle order when ``loader`` has
-    ``set_epoch`` (DeepSpeed's repeats the same order)."""
+    ``set_epoch`` (DeepSpeed's repeats the same order). The next epoch follows the loader's
+    own (``loader.sampler.epoch``), so a loader that ``load_checkpoint`` put back in epoch 5
+    goes on with epoch 6, not 1."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
@@ -127,7 +129,8 @@ class RepeatingLoader:
         try:
             return next(self._it)
         except StopIteration:
-            self.epoch += 1
+            current = getattr(getattr(self.loader, "sampler", None), "epoch", None)
+            self.epoch = (current if isinstance(current, int) else self.epoch) + 1
             if hasattr(self.loader, "set_epoch"):
                 self.loader.set_epoch(self.epoch)
             self._it = iter(self.loader)
