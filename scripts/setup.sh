@@ -24,3 +24,4 @@ fi
 echo "[setup] installing slipstream[dev] (editable)"
 .venv/bin/pip install -q -e ".[dev]"
 echo "$want" > "$stamp"
+echo "[setup] done; \`source .venv/bin/activate\` puts its python and the slipstream command on PATH"
