@@ -5,11 +5,20 @@ but DeepSpeed scripts parse ``--local_rank`` from argv. This module runs inside 
 reads ``LOCAL_RANK`` and runs the user script with ``--local_rank=N`` placed first in its
 argv (where DeepSpeed puts it), keeping ``__name__ == "__main__"`` semantics.
 
-Options (before TARGET): ``--module`` (TARGET is a module, run like ``python -m``) and
+Options (before TARGET): ``--module`` (TARGET is a module, run like ``python -m``),
+``--exec`` (TARGET is an executable: replace this process with it, for ``--no_python``) and
 ``--no_local_rank`` (do not add ``--local_rank``).
 
+The worker dies with its launcher: the first thing it does is ask Linux for SIGKILL when its
+parent (the launcher's agent, which started it) dies, then check that the parent is still the
+launcher named in ``SLIPSTREAM_LAUNCHER_PID`` (it may have died between our fork and the
+request). Without this a launcher killed by SIGKILL leaves its ranks training on as orphans:
+torchelastic starts each worker in a new session, so no terminal or group signal reaches them.
+The request survives ``exec``, so ``--exec`` targets are covered too.
+
 An uncaught exception is also written to ``TORCHELASTIC_ERROR_FILE`` in torchelastic's
-format, so the launcher can point at the failing rank's traceback.
+format (plus the exact time, so the launcher can order failures finer than a second), so the
+launcher can point at the failing rank's traceback.
 
 It is run by file path, not ``-m``, and imports only the standard library: ``-m`` would
 import the ``slipstream`` package (and torch) before the user script, so the script could no
@@ -18,14 +27,38 @@ longer decide what is imported first (e.g. set environment variables before torc
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
 
-_OPTIONS = ("--module", "--no_local_rank")
+_OPTIONS = ("--module", "--exec", "--no_local_rank")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LAUNCHER_PID_ENV = "SLIPSTREAM_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """Get SIGKILL when the parent dies; exit now if it is already gone (Linux only).
+
+    SIGKILL rather than SIGTERM: a user SIGTERM handler (save on preemption) would run a
+    collective with peers that are dying too and hang; nothing is left to report to anyway.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return  # best effort: a sandbox may forbid prctl; the launcher still stops us
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and launcher.isdigit() and os.getppid() != int(launcher):
+        # The launcher died before prctl took effect: we were re-parented and no signal comes.
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _split_argv(argv: list[str]) -> tuple[set[str], str, list[str]]:
@@ -57,12 +90,14 @@ def _record_exception(exc: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    now = time.time()
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
             "extraInfo": {
                 "py_callstack": traceback.format_exc(),
-                "timestamp": str(int(time.time())),
+                "timestamp": str(int(now)),
+                "time": repr(now),
             },
         }
     }
@@ -79,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     if "--no_local_rank" not in opts:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     _set_deepspeed_env()
+    if "--exec" in opts:
+        os.execvp(target, [target, *args])
     try:
         sys.argv = [target, *args]
         if "--module" in opts:
@@ -93,4 +130,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    die_with_launcher()
     main()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import shlex
 import shutil
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slipstream.cli._failures import classify_failures, format_report, track_worker_stops
 from slipstream.cli._hostfile import (
     LaunchError,
     ResourceMap,
@@ -40,6 +42,8 @@ from slipstream.cli._multinode import (
     decode_world_info,
     run_parallel,
 )
+from slipstream.cli._rank_entry import LAUNCHER_PID_ENV
+from slipstream.distributed.comm import COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT_S
 
 __all__ = ["DEFAULT_HOSTFILE", "LocalPlan", "add_parser", "launch_local", "run_command"]
 
@@ -48,6 +52,19 @@ DEFAULT_MASTER_PORT = 29500
 _STATIC_RUN_ID = "slipstream"  # static rendezvous: every node must use the same id
 _RANK_ENTRY = str(Path(__file__).with_name("_rank_entry.py"))  # by path: see its docstring
 
+_EPILOG = f"""\
+When a rank fails, the others are stopped and the rank that failed first is named, with its
+exit code (also the launcher's) and traceback; ranks that failed only because a peer died
+(connection reset or closed by peer) are listed after it as secondary. Workers die with the
+launcher, even when it is killed by SIGKILL (Linux).
+
+A collective that waits longer than {COMM_TIMEOUT_ENV} seconds (default
+{DEFAULT_COMM_TIMEOUT_S:.0f}; --comm_timeout sets it) fails with an error naming the
+collective, its axis and the ranks that did not arrive: a stalled rank (stopped, deadlocked)
+ends the job instead of hanging it. Raise it when one rank legitimately works alone for
+longer (e.g. rank-0-only data preparation before a barrier).
+"""
+
 
 def add_parser(subparsers: Any) -> None:
     """Register ``run`` on the ``slipstream`` subcommand parser."""
@@ -55,6 +72,7 @@ def add_parser(subparsers: Any) -> None:
         "run",
         help="launch a training script on one or many nodes (DeepSpeed launcher flags)",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog=_EPILOG,
         allow_abbrev=False,
     )
     res = p.add_argument_group("where to run")
@@ -89,6 +107,10 @@ def add_parser(subparsers: Any) -> None:
     how.add_argument("--ssh_port", type=int, default=None, help="ssh port on the remote hosts")
     how.add_argument("--enable_each_rank_log", metavar="DIR", default=None,
                      help="also write each rank's stdout/stderr under DIR")  # fmt: skip
+    how.add_argument("--comm_timeout", metavar="SECONDS", type=float, default=None,
+                     help=f"fail a collective that waits longer than this (sets "
+                     f"{COMM_TIMEOUT_ENV} for every rank; default "
+                     f"{DEFAULT_COMM_TIMEOUT_S:.0f} s)")  # fmt: skip
     # Internal: how the multi-node fan-out tells a node its slots (pdsh has one command for all).
     how.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
     how.add_argument("--set_visible_devices", action="store_true", help=argparse.SUPPRESS)
@@ -126,6 +148,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     _check_target(args)
+    _set_comm_timeout(args.comm_timeout)
     if args.no_ssh:
         plan = _node_plan(args)
         if args.stop_on_stdin_eof:
@@ -152,6 +175,15 @@ def _check_target(args: argparse.Namespace) -> None:
             raise LaunchError(f"executable not found: {args.script}")
     elif not os.path.isfile(args.script):
         raise LaunchError(f"script not found: {args.script} (cwd: {os.getcwd()})")
+
+
+def _set_comm_timeout(seconds: float | None) -> None:
+    """Pass ``--comm_timeout`` to every rank (``SLIPSTREAM_*`` variables reach every node)."""
+    if seconds is None:
+        return
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise LaunchError(f"--comm_timeout {seconds:g}: must be a positive number of seconds")
+    os.environ[COMM_TIMEOUT_ENV] = f"{seconds:g}"
 
 
 def _local_device_count() -> int:
@@ -182,13 +214,11 @@ def _resources(args: argparse.Namespace) -> tuple[ResourceMap, bool]:
 
 
 def _entry(args: argparse.Namespace) -> tuple[str, list[str]]:
-    """What each worker runs: the per-rank entry module, or the executable (``--no_python``)."""
-    if args.no_python:
-        # torchelastic substitutes this macro per worker (no Python entry to do it for us).
-        local_rank = [] if args.no_local_rank else ["--local_rank=${local_rank}"]
-        return args.script, [*local_rank, *args.script_args]
-    opts = [flag for flag, on in (("--module", args.module), ("--no_local_rank",
-            args.no_local_rank)) if on]  # fmt: skip
+    """What each worker runs: the per-rank entry module, which runs the script or module, or
+    execs the executable (``--no_python``)."""
+    # --no_python: the entry execs the executable after arming the parent-death signal.
+    opts = [flag for flag, on in (("--module", args.module), ("--exec", args.no_python),
+            ("--no_local_rank", args.no_local_rank)) if on]  # fmt: skip
     entry = ["-u", _RANK_ENTRY, *opts, args.script, *args.script_args]
     return sys.executable, entry
 
@@ -294,8 +324,10 @@ def launch_local(plan: LocalPlan) -> int:
     """Run ``plan`` with torchrun's elastic agent; return 0 or the failing rank's exit code.
 
     When a rank fails, the agent stops the other ranks (SIGTERM, then SIGKILL after its
-    shutdown timeout) and we print one line naming the rank, its exit code and where its
-    traceback or output is.
+    shutdown timeout) and we print one line naming the rank that failed first, its exit code
+    and where its traceback or output is, then one line per rank that failed only because a
+    peer died (see :mod:`slipstream.cli._failures`). Workers die with this process even when it
+    is killed by SIGKILL (see :mod:`slipstream.cli._rank_entry`).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -322,40 +354,30 @@ def launch_local(plan: LocalPlan) -> int:
         rdzv_configs=rdzv, max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=logs, log_line_prefix_template="[rank${rank}]: " if plan.log_dir else None,
     )  # fmt: skip
+    # Workers check this is still their parent, and die with it (see _rank_entry).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        elastic_launch(config, plan.entrypoint)(*plan.entry_args)
+        with track_worker_stops() as stops:
+            elastic_launch(config, plan.entrypoint)(*plan.entry_args)
     except ChildFailedError as err:
-        return _report_rank_failure(err, plan, run_id)
+        return _report_rank_failure(err, plan, run_id, stops)
     except SignalException as err:
         _say(f"received {signal.Signals(err.sigval).name}; stopped all ranks")
         return 128 + int(err.sigval)
     return 0
 
 
-def _report_rank_failure(err: Any, plan: LocalPlan, run_id: str) -> int:
-    """Print one line about the first failure (torchelastic's root cause) and return its code."""
-    rank, failure = err.get_first_failure()
-    if failure.exitcode < 0:
-        code = 128 - failure.exitcode
-        what = f"was killed by {failure.signal_name()} (exit code {code})"
-    else:
-        code = failure.exitcode
-        what = f"failed with exit code {code}"
-    where = "no Python traceback recorded; its output is above"
-    if os.path.isfile(failure.error_file):
-        message = failure.message
-        if isinstance(message, dict):  # torchelastic's structured error-file format
-            message = message.get("message", "")
-        where = f"{message}; traceback in {failure.error_file}"
-    elif plan.log_dir is not None:
-        pattern = os.path.join(plan.log_dir, f"{run_id}_*", "attempt_0", str(failure.local_rank))
+def _report_rank_failure(err: Any, plan: LocalPlan, run_id: str, stops: dict[int, float]) -> int:
+    """Print which rank caused the failure (and which failed only because of it); return the
+    cause's exit code."""
+    failures = classify_failures(err.failures, stops)
+    cause = failures[0]
+    hint = None
+    if cause.error_file is None and plan.log_dir is not None:
+        pattern = os.path.join(plan.log_dir, f"{run_id}_*", "attempt_0", str(cause.local_rank))
         found = sorted(glob.glob(pattern), key=os.path.getmtime)
         if found:
-            where = f"its output is in {found[-1]}/stderr.log"
-    print(
-        f"slipstream run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-        f"{what}; {where}; the other ranks were stopped",
-        file=sys.stderr,
-        flush=True,
-    )
-    return code
+            hint = f"its output is in {found[-1]}/stderr.log"
+    for line in format_report(failures, hint):
+        print(line, file=sys.stderr, flush=True)
+    return cause.exit_status

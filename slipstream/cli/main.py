@@ -8,15 +8,51 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+import textwrap
 from typing import Any
 
 from slipstream.cli import convert, launcher, quant, report
 from slipstream.version import __version__
 
-__all__ = ["build_parser", "main"]
+__all__ = ["PlainTextFormatter", "build_parser", "main", "plain_text"]
 
 _DEMO_MODULE = "slipstream.cli.demo"
+
+# reStructuredText inline markup of our docstrings: :role:`~a.b`, ``literal``, `text`.
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``|`([^`]+)`")
+
+
+def plain_text(text: str) -> str:
+    """``text`` (a docstring) without reStructuredText inline markup, for terminal help."""
+    text = _ROLE.sub(lambda m: m.group(1), text)
+    return _LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+class PlainTextFormatter(argparse.HelpFormatter):
+    """Help from docstrings as plain text: markup removed, paragraphs kept apart."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = re.split(r"\n\s*\n", plain_text(text).strip())
+        filled = (
+            textwrap.fill(" ".join(p.split()), width, initial_indent=indent,
+                          subsequent_indent=indent)
+            for p in paragraphs
+        )  # fmt: skip
+        return "\n\n".join(filled)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain_text(super()._expand_help(action))
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every ``slipstream`` parser, subcommands included, formats help as plain text."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", PlainTextFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def _add_demo_parser(subparsers: Any, load: bool) -> None:
@@ -48,13 +84,13 @@ def _demo_missing(args: argparse.Namespace) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``slipstream`` parser with every subcommand registered (``command``: the one that
     will run, so that only its module is imported when that is costly)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="slipstream",
         description="slipstream: large-model training on plain PyTorch (DeepSpeed-compatible).",
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     launcher.add_parser(subparsers)
     report.add_parser(subparsers)
     convert.add_parser(subparsers)
