@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
+from slipstream.cli._rank_entry import die_with_launcher
 from slipstream.cli.demo import add_worker_arguments
 from slipstream.data import ByteTokenizer, TokenDataset, encode_corpus, load_corpus, split_train_val
 from slipstream.models import GPT, GPTConfig
@@ -133,4 +134,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # as every rank started by slipstream run (see _rank_entry)
     main()
