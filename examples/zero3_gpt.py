@@ -25,8 +25,8 @@ def main() -> None:
 
     slipstream.init_distributed()
     torch.manual_seed(0)
-    # Sharded construction: parameters stay on the meta device until initialize() fills
-    # each rank's shards module by module (same values as eager construction).
+    # Sharded construction: when the context exits each rank holds only its shard of every
+    # parameter (same values as eager construction); initialize() re-lays them for ZeRO-3.
     with slipstream.zero.Init():
         model = GPT(GPTConfig.preset("tiny"))
     world = dist.get_world_size()

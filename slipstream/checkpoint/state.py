@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from slipstream.checkpoint.format import CheckpointError, CheckpointReader, dtype_name
+from slipstream.zero.gathered import GatheredParameters
 from slipstream.zero.optimizer import ZeroOptimizer
-from slipstream.zero.stage3 import GatheredParameters, ShardedStore
+from slipstream.zero.param import full_shape
+from slipstream.zero.stage3 import ShardedStore
 
 __all__ = ["Collected", "collect_state", "restore_state"]
 
@@ -124,11 +126,11 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
         w = bucket.shard_slice(opt.dp_rank)
         names = [checkpoint_name(n, p) for n, p in zip(bucket.names, bucket.params)]
         replicas = [not _writes(n, p, tp_rank) for n, p in zip(bucket.names, bucket.params)]
-        for p, off, name, skip in zip(bucket.params, bucket.offsets, names, replicas):
-            s, e = max(off, w.start), min(off + p.numel(), w.stop)
+        for shape_, off, name, skip in zip(bucket.shapes, bucket.offsets, names, replicas):
+            s, e = max(off, w.start), min(off + shape_.numel(), w.stop)
             if s >= e or skip:
                 continue
-            shape = tuple(p.shape)
+            shape = tuple(shape_)
             out.add(f"model/{name}", s - off, region[s - lo : e - lo], shape)
             if separate:
                 out.add(f"master/{name}", s - off, master[s - lo : e - lo], shape)
@@ -138,13 +140,13 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
                 continue
             c0 = lo + chunk.start  # chunk start in bucket coordinates
             i = _param_at(bucket.offsets, c0)
-            off, p, name = bucket.offsets[i], bucket.params[i], names[i]
+            off, name = bucket.offsets[i], names[i]
             s, e = max(c0, w.start), min(lo + chunk.stop, w.stop)
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.numel() == view.numel() > 0:
                     if s < e and not replicas[i]:
                         piece = value.reshape(-1)[s - c0 : e - c0]
-                        out.add(f"optim/{key}/{name}", s - off, piece, tuple(p.shape))
+                        out.add(f"optim/{key}/{name}", s - off, piece, tuple(bucket.shapes[i]))
                 else:
                     out.optim_scalars.setdefault(bucket.group_index, {})[key] = _scalar(value)
         if opt.swapper is not None:
@@ -169,7 +171,7 @@ def check_compatible(
     A rank holding part of the model (a pipeline stage, a tensor-parallel shard) checks its
     own parameters only; tensor-parallel shards need the TP size they were saved with.
     """
-    have = {checkpoint_name(n, p): tuple(p.shape) for n, p in module.named_parameters()}
+    have = {checkpoint_name(n, p): tuple(full_shape(p)) for n, p in module.named_parameters()}
     saved = {n: reader.shape(f"model/{n}") for n in reader.names("model")}
     tp_sizes = {int(m.group(2)) for n in saved if (m := _TP_SUFFIX.search(n))}
     mine = {int(m.group(2)) for n in have if (m := _TP_SUFFIX.search(n))}
@@ -239,8 +241,8 @@ def restore_state(
         lo, hi = opt.store.owned_range(b)
         region, master = opt.store.owned(b), opt.masters[b]
         separate = master.data_ptr() != region.data_ptr()
-        for p, off, name in zip(bucket.params, bucket.offsets, bucket.names):
-            n, name = p.numel(), checkpoint_name(name, p)
+        for p, off, name, n in zip(bucket.params, bucket.offsets, bucket.names, bucket.numels):
+            name = checkpoint_name(name, p)
             src = _value_source(reader, name, region.dtype)
             if stage3:
                 s, e = max(off, lo), min(off + n, hi)

@@ -33,6 +33,7 @@ from slipstream.distributed import comm
 from slipstream.parallel.tensor import gather_from_tp, vocab_parallel_cross_entropy
 from slipstream.sequence import lss_attention, sequence_parallel_cross_entropy, ulysses_attention
 from slipstream.zero.init import deferred_init_active
+from slipstream.zero.param import full_numel
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -510,9 +511,9 @@ class GPT(nn.Module):
         ``exclude_embeddings`` drops the token embedding table (when tied, that is also
         ``lm_head``'s weight), the usual "non-embedding" count (Kaplan et al. 2020).
         """
-        n = sum(p.numel() for p in self.parameters())
+        n = sum(full_numel(p) for p in self.parameters())  # also while ZeRO-3 partitioned
         if exclude_embeddings:
-            n -= self.embed_tokens.weight.numel()
+            n -= full_numel(self.embed_tokens.weight)
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:

@@ -651,12 +651,13 @@ def parallelize_tp_(
     world = comm.get_world_size(tp_group)
     if world == 1:
         return model
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    # A meta parameter, or one partitioned by zero.Init (it has DeepSpeed's ds_id).
+    meta = [n for n, p in model.named_parameters() if p.is_meta or hasattr(p, "ds_id")]
     if meta:
         raise ConfigError(
-            f"tensor parallelism needs materialized weights, but {meta[0]!r} is on the meta "
-            "device (built under zero.Init?): build the model normally; ZeRO-3 still shards it "
-            "over the data-parallel ranks after the TP split"
+            f"tensor parallelism needs full weights on every rank, but {meta[0]!r} is on the "
+            "meta device or partitioned (built under zero.Init?): build the model normally; "
+            "ZeRO-3 still shards it over the data-parallel ranks after the TP split"
         )
     is_gpt = type(model).__name__ == "GPT" and hasattr(model, "set_tensor_parallel_group")
     own_plan = getattr(model, "tp_plan", None)

@@ -25,7 +25,13 @@ from slipstream.runtime.dataloader import build_dataloader
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.precision import LossScaler, PrecisionPolicy
 from slipstream.zero import StepPolicy, ZeroOptimizer, shard_zero_
-from slipstream.zero.init import has_meta_parameters, materialize_
+from slipstream.zero.init import (
+    has_meta_parameters,
+    is_partitioned_model,
+    partition_meta_,
+    unpartition_,
+)
+from slipstream.zero.param import check_not_foreign, full_shape
 
 __all__ = ["initialize"]
 
@@ -81,6 +87,9 @@ def initialize(
     if dist_init_required is not False:
         comm.init_distributed()
     comm.ensure_control_group()
+    check_not_foreign(model.named_parameters())
+    if has_meta_parameters(model):  # built in a zero.Init still open, or on meta by hand
+        partition_meta_(model)
     # Which ranks share a node: the comm logger splits intra-node from cross-node bytes.
     comm.set_ranks_per_node(resolve_ranks_per_node(comm.get_world_size()))
     dims = _parallel_dims(config, model)
@@ -103,8 +112,8 @@ def initialize(
     policy = PrecisionPolicy.from_config(
         cfg.fp16, cfg.bf16, cfg.data_types, cfg.communication_data_type, model_dtype
     )
-    if has_meta_parameters(model):
-        # Built under zero.Init: parameters stay on meta until ZeRO materializes them.
+    if is_partitioned_model(model):
+        # Built under zero.Init: each rank holds shards, which ZeRO re-lays or gathers.
         for mod in model.modules():
             for key, buf in mod._buffers.items():
                 if buf is not None and not buf.is_meta:
@@ -157,8 +166,8 @@ def initialize(
         zero_opt = shard_zero_(
             model, group, cfg.zero_optimization, policy, groups, make_optimizer, step, device
         )
-    elif has_meta_parameters(model):  # no optimizer (inference): materialize in full
-        materialize_(model, device)
+    elif is_partitioned_model(model):  # no optimizer (inference): gather in full
+        unpartition_(model)
     scheduler = _scheduler(lr_scheduler, zero_opt, client_opt, cfg)
     loader = None
     if training_data is not None:
@@ -343,7 +352,7 @@ def _engine_class(model: nn.Module) -> type[Engine]:
 
 def _check_ranks_agree(model: nn.Module, cfg: SlipstreamConfig, group: comm.Group) -> None:
     """Fail fast (instead of hanging in a collective) if ranks built different things."""
-    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    shapes = [(n, tuple(full_shape(p)), str(p.dtype)) for n, p in model.named_parameters()]
     comm.check_same_across_ranks(shapes, "model (parameter names, shapes and dtypes)", group)
     comm.check_same_across_ranks(
         json.dumps(cfg.model_dump(), sort_keys=True, default=str), "config"

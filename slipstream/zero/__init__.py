@@ -16,15 +16,16 @@ from slipstream.runtime.precision import PrecisionPolicy
 from slipstream.zero.estimate import estimate_memory
 from slipstream.zero.export import gathered_model, save_16bit_model
 from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
-from slipstream.zero.init import Init, materialize_
-from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
-from slipstream.zero.reducer import GradientReducer, ReducePolicy
-from slipstream.zero.stage3 import (
+from slipstream.zero.gathered import (
     GatheredParameters,
-    ZeroPPWeights,
-    set_z3_leaf_modules,
-    shard_params_,
+    register_external_parameter,
+    unregister_external_parameter,
 )
+from slipstream.zero.init import Init, is_partitioned_model, materialize_, unpartition_
+from slipstream.zero.optimizer import StepPolicy, ZeroOptimizer
+from slipstream.zero.param import ZeroParamStatus, is_zero_param
+from slipstream.zero.reducer import GradientReducer, ReducePolicy
+from slipstream.zero.stage3 import ZeroPPWeights, set_z3_leaf_modules, shard_params_
 
 __all__ = [
     "Bucket",
@@ -32,12 +33,16 @@ __all__ = [
     "Init",
     "StepPolicy",
     "ZeroOptimizer",
+    "ZeroParamStatus",
     "estimate_memory",
     "gathered_model",
+    "is_zero_param",
     "materialize_",
+    "register_external_parameter",
     "save_16bit_model",
     "set_z3_leaf_modules",
     "shard_zero_",
+    "unregister_external_parameter",
 ]
 
 
@@ -86,8 +91,8 @@ def shard_zero_(
         param_groups: optimizer param groups (dicts with ``params`` and hyperparameters).
         make_optimizer: builds the inner optimizer on the master tensors.
         step: loss scaling, clipping and overflow policy.
-        device: where parameters built under ``zero.Init`` (meta) are materialized
-            (default: where the model's buffers are, else CPU).
+        device: where parameters built under ``zero.Init`` are laid out (default: where the
+            model's buffers are, else CPU).
     Communication: stage 0/1 one all-reduce of all gradients per optimizer step; stage 2
     one reduce-scatter per micro-step; stage 1/2 one all-gather of the parameters per step.
     """
@@ -99,11 +104,8 @@ def shard_zero_(
         log_rank0("parameters not in any optimizer param group are not trained: %s", orphans[:8])
     dp_size = comm.get_world_size(dp_group)
     store: ParamStore
-    if cfg.stage != 3 and any(p.is_meta for p in model.parameters()):
-        # zero.Init model without stage 3: every rank holds it all anyway.
-        if device is None:
-            device = next((t.device for t in model.buffers() if not t.is_meta), torch.device("cpu"))
-        materialize_(model, device)
+    if cfg.stage != 3 and is_partitioned_model(model):
+        unpartition_(model)  # zero.Init model without stage 3: every rank holds it all anyway
     topology = None
     if cfg.stage == 3 and (cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1):
         topology = build_node_topology(
@@ -186,7 +188,7 @@ def _broadcast_from_dp0(model: nn.Module, buckets: Sequence[Bucket], dp_group: c
         comm.broadcast(b.flat, src=src, group=dp_group, label="init_params")
     in_buckets = {id(p) for b in buckets for p in b.params}
     for t in [p for p in model.parameters() if id(p) not in in_buckets] + list(model.buffers()):
-        if t.is_meta:
-            continue  # zero.Init: materialized identically on every rank
+        if t.is_meta or is_zero_param(t):
+            continue  # zero.Init: partitioned identically on every rank
         if t.is_floating_point() or t.dtype in (torch.int64, torch.int32):
             comm.broadcast(t.data, src=src, group=dp_group, label="init_params")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slipstream.zero.param import full_numel
+
 __all__ = ["estimate_memory"]
 
 
@@ -55,8 +57,8 @@ def estimate_memory(
         raise ValueError(f"stage must be 0-3, got {stage}")
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    frozen = sum(full_numel(p) for p in model.parameters() if not p.requires_grad)
     first = next(iter(model.parameters()), None)
     pdtype = param_dtype or (first.dtype if first is not None else torch.float32)
     pb = torch.empty((), dtype=pdtype).element_size()

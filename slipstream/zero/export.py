@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slipstream.distributed import comm
-from slipstream.zero.stage3 import GatheredParameters
+from slipstream.zero.gathered import GatheredParameters
 
 __all__ = ["gathered_model", "save_16bit_model"]
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from slipstream.distributed import comm
 from slipstream.zero.init import set_data_
+from slipstream.zero.param import full_shape, is_slipstream_partitioned
 
 __all__ = ["Bucket", "FlatStore", "ParamStore", "build_buckets"]
 
@@ -36,6 +37,15 @@ class Bucket:
     numel: int
     dp_size: int
     flat: torch.Tensor = field(repr=False)
+    # Each parameter's full shape and its view of ``flat``: kept here because a ZeRO-3
+    # parameter outside its unit's forward/backward is an empty tensor (``param.numel()`` 0).
+    shapes: list[torch.Size] = field(default_factory=list, repr=False)
+    views: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def numels(self) -> list[int]:
+        """Full number of elements of each parameter (whether or not it is gathered)."""
+        return [v.numel() for v in self.views]
 
     @property
     def shard_numel(self) -> int:
@@ -46,7 +56,7 @@ class Bucket:
 
     def grad_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """The 1-D region of a bucket-sized ``buffer`` that belongs to parameter ``i``."""
-        return buffer[self.offsets[i] : self.offsets[i] + self.params[i].numel()]
+        return buffer[self.offsets[i] : self.offsets[i] + self.views[i].numel()]
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -98,33 +108,39 @@ def _make_bucket(
 ) -> Bucket:
     """Lay ``params`` out in one flat tensor; each becomes a view into it.
 
-    Meta parameters (built under ``zero.Init``) get a flat tensor on ``device`` whose storage
-    is released at once: ZeRO-3 fills their shards when it materializes them.
+    Parameters partitioned by ``zero.Init`` (empty, the real shape in ``ds_shape``) get a flat
+    tensor on ``device`` whose storage is released at once: ZeRO-3 fills their shards from
+    the ``zero.Init`` shards and points them at their views when it gathers them.
     """
+    shapes = [full_shape(p) for p in params]
     offsets, total = [], 0
-    for p in params:
+    for shape in shapes:
         offsets.append(total)
-        total += p.numel()
+        total += shape.numel()
     numel = _pad(total, dp)
     first = params[0]
-    deferred = first.is_meta
-    if any(p.is_meta != deferred for p in params):
+    deferred = is_slipstream_partitioned(first)
+    if any(is_slipstream_partitioned(p) != deferred for p in params):
         raise ValueError(
-            f"bucket mixes meta and materialized parameters ({[names[p] for p in params][:4]}"
-            "...): build the whole model inside zero.Init, or none of it"
+            f"bucket mixes zero.Init-partitioned and ordinary parameters "
+            f"({[names[p] for p in params][:4]}...): build the whole model inside zero.Init, "
+            "or none of it"
         )
     if deferred:  # views need in-bounds storage to be made; released right after
         flat = torch.empty(numel, dtype=first.dtype, device=device)
     else:
         flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
-    for p, off in zip(params, offsets):
-        view = flat[off : off + p.numel()]
+    views = []
+    for p, off, shape in zip(params, offsets, shapes):
+        view = flat[off : off + shape.numel()].view(shape)
+        views.append(view)
         if not deferred:
-            view.copy_(p.detach().reshape(-1))
-        set_data_(p, view.view_as(p))
+            view.copy_(p.detach())
+            set_data_(p, view)
     if deferred:
         flat.untyped_storage().resize_(0)
-    return Bucket(index, group_index, params, [names[p] for p in params], offsets, numel, dp, flat)
+    names_ = [names[p] for p in params]
+    return Bucket(index, group_index, params, names_, offsets, numel, dp, flat, shapes, views)
 
 
 class ParamStore(Protocol):

@@ -1,16 +1,24 @@
 """Sharded construction for ZeRO-3: ``zero.Init`` and the materializer behind it.
 
-Inside ``with slipstream.zero.Init():`` every parameter a module registers is replaced by a
-meta tensor of the same shape, dtype and ``requires_grad`` (buffers stay real: they are small
-and often computed in ``__init__``). So building the model costs no parameter memory; at most
-one freshly created tensor exists at a time, until its module registers it.
+Inside ``with slipstream.zero.Init():`` every parameter a module registers is first replaced
+by a meta tensor of the same shape, dtype and ``requires_grad`` (buffers stay real: they are
+small and often computed in ``__init__``), so building the model costs no parameter memory.
+When the outermost context exits (or earlier, the first time ``GatheredParameters`` touches one
+of them inside it) the models built inside are *partitioned*, one module at a time
+(``materialize_``): each module's own parameters are allocated in full and initialized, this
+rank's equal slice is kept as the parameter's shard (``p.ds_tensor``) and the full tensor is
+freed. From then on every parameter is a real sharded tensor with DeepSpeed's contract
+(:mod:`slipstream.zero.param`: an empty tensor plus ``ds_shape``/``ds_numel``/``ds_status``),
+so ``GatheredParameters(..., modifier_rank=r)`` edits and ``load_state_dict`` inside it land in
+the shards, before and after ``initialize``. Peak extra memory is the largest module's own
+parameters, never the model. All ranks draw the same random numbers (rank 0's RNG state, as
+captured when the first parameter was created, is used by every rank), so partitioning needs
+no communication of weights and the values do not depend on the world size.
 
-``initialize`` with stage 3 then *materializes* the model into its ZeRO-3 shards one module at
-a time (``materialize_``): each module's own parameters are allocated in full, initialized,
-the slice this rank owns is copied into its shard, and the full tensor is freed. Peak extra
-memory is the largest module's own parameters, never the model. All ranks draw the same random
-numbers (the RNG state is the one captured when the first parameter was created), so the result needs no
-communication and does not depend on the world size.
+``torch.distributed``: like DeepSpeed, ``Init`` initializes it (``comm.init_distributed``) when
+the process was started by a launcher (``RANK`` is set) and it is not yet. Without a launcher
+and without a process group it runs as a world of one (each shard is the whole parameter) and
+creates no group.
 
 How a module is initialized, first match wins:
 
@@ -28,6 +36,7 @@ order: same distributions, not the same numbers.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,9 +44,26 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
-__all__ = ["Init", "deferred_init_active", "has_meta_parameters", "materialize_", "set_data_"]
+from slipstream.distributed import comm
+from slipstream.zero.init_shards import InitShards, init_owner
+from slipstream.zero.param import full_shape, unmark_
+
+__all__ = [
+    "Init",
+    "deferred_init_active",
+    "has_meta_parameters",
+    "is_partitioned_model",
+    "materialize_",
+    "partition_meta_",
+    "partition_pending",
+    "set_data_",
+    "unpartition_",
+]
 
 _STATE = threading.local()
 _RNG_ATTR = "_slipstream_init_rng"  # RNG state captured at Init entry, kept on the root model
@@ -50,6 +76,11 @@ def deferred_init_active() -> bool:
 
 def has_meta_parameters(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
+
+
+def is_partitioned_model(model: nn.Module) -> bool:
+    """True if some parameter is still meta or holds only a ``zero.Init`` shard."""
+    return any(p.is_meta or init_owner(p) is not None for p in model.parameters())
 
 
 class Init:
@@ -113,31 +144,54 @@ class Init:
                 )
         self.enabled = enabled
         self.dtype = dtype
-        self._handle: Any = None
+        self.peak_numel = 0  # most parameter elements alive at once while partitioning
+        self._handles: list[Any] = []
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        if not comm.is_initialized() and "RANK" in os.environ:
+            comm.init_distributed()  # DeepSpeed's Init does the same under a launcher
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
         if _STATE.depth == 1:
             _STATE.rng = None  # captured at the first parameter: seeding inside is fine
-        self._handle = register_module_parameter_registration_hook(self._to_meta)  # type: ignore[arg-type]
+            _STATE.built = {}  # id -> module registering a parameter or child, in order
+            _STATE.peak = 0
+        self._handles = [
+            register_module_parameter_registration_hook(self._to_meta),  # type: ignore[arg-type]
+            register_module_module_registration_hook(self._track_child),  # type: ignore[arg-type]
+        ]
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         if not self.enabled:
             return
-        self._handle.remove()
-        _STATE.depth -= 1
+        for handle in self._handles:
+            handle.remove()
+        try:
+            if _STATE.depth == 1 and exc_type is None:
+                partition_pending()
+        finally:  # leave the context even when partitioning raised
+            if _STATE.depth == 1:
+                self.peak_numel = _STATE.peak
+                _STATE.built = {}
+            _STATE.depth -= 1
+
+    @staticmethod
+    def _track_child(module: nn.Module, name: str, child: Any) -> None:
+        _STATE.built.setdefault(id(module), module)
 
     def _to_meta(self, module: nn.Module, name: str, param: Any) -> nn.Parameter | None:
         if param is None:
             return None
+        _STATE.built.setdefault(id(module), module)
         # Remember the RNG state on every module built here; the root is among them.
         if _STATE.rng is None:
             _STATE.rng = _capture_rng()
         if not hasattr(module, _RNG_ATTR):
             object.__setattr__(module, _RNG_ATTR, _STATE.rng)
+        if init_owner(param) is not None:
+            return None  # already partitioned (registered again, e.g. tied after a flush)
         dtype = self.dtype if self.dtype is not None and param.is_floating_point() else param.dtype
         if param.is_meta and param.dtype == dtype:
             return None  # already deferred (e.g. a tied weight registered twice): keep identity
@@ -231,55 +285,149 @@ def materialize_(
     """Allocate and initialize ``model``'s meta parameters, module by module, in place.
 
     Args:
-        model: a model built under ``zero.Init`` (its non-meta parameters are left alone).
+        model: a model with meta parameters (its non-meta parameters are left alone).
         device: where the parameters are created and initialized.
         sink: called with (parameter, full initialized value) once a parameter's value is
-            final; it decides where the value goes (ZeRO-3 keeps a slice) and must leave
-            ``parameter.data`` as it wants it. Without a sink the full value is kept.
-        pending: ids of the parameters to materialize (default: those on the meta device;
-            pass it when their ``.data`` was already redirected, as ZeRO-3 does).
+            final; it decides where the value goes (``zero.Init`` keeps a slice) and must
+            leave ``parameter.data`` as it wants it. Without a sink the full value is kept.
+        pending: ids of the parameters to materialize (default: those on the meta device).
     Returns:
         The largest number of parameter elements materialized at once (peak extra memory).
     """
-    device = torch.device(device)
+    modules = list(model.named_modules())
+    rng = next((getattr(m, _RNG_ATTR) for _, m in modules if hasattr(m, _RNG_ATTR)), None)
+    with _replayed_rng(rng):
+        return _materialize(modules, torch.device(device), sink, pending)
+
+
+def _materialize(
+    modules: list[tuple[str, nn.Module]],
+    device: torch.device,
+    sink: Callable[[nn.Parameter, torch.Tensor], None] | None,
+    pending: set[int] | None,
+) -> int:
+    """``materialize_`` under the RNG state the caller set up."""
     if pending is None:
-        pending = {id(p) for p in model.parameters() if p.is_meta}
+        pending = {
+            id(p) for _, m in modules for p in m._parameters.values() if p is not None and p.is_meta
+        }
     pending = set(pending)
     if not pending:
         return 0
     remaining: dict[int, int] = {}
-    modules = list(model.named_modules())
     for _, mod in modules:
         for p in mod._parameters.values():
             if p is not None and id(p) in pending:
                 remaining[id(p)] = remaining.get(id(p), 0) + 1
     inits = _initializers(modules)
-    saved: dict[int, torch.Tensor | None] = {}  # id(param) -> its data before (None: meta)
     live = peak = 0
-    rng = next((getattr(m, _RNG_ATTR) for _, m in modules if hasattr(m, _RNG_ATTR)), None)
-    with _replayed_rng(rng):
-        for name, mod in modules:
-            held = [p for p in mod._parameters.values() if p is not None and id(p) in pending]
-            mine = list({id(p): p for p in held}.values())  # a module may hold one twice
-            if not mine:
-                continue
-            for p in mine:
-                if id(p) not in saved:
-                    saved[id(p)] = None if p.is_meta else p.data
-                    set_data_(p, torch.empty(p.shape, dtype=p.dtype, device=device))
-                    live += p.numel()
-            peak = max(peak, live)
-            if id(mod) not in inits:
-                raise _no_initializer(name, mod)
-            inits[id(mod)]()
-            for p in mine:
-                remaining[id(p)] -= sum(q is p for q in held)
-                if remaining[id(p)] == 0:
-                    full, before = p.data, saved.pop(id(p))
-                    if sink is not None:
-                        if before is not None:
-                            p.data = before
-                        sink(p, full)
-                    pending.discard(id(p))
-                    live -= p.numel()
+    for name, mod in modules:
+        held = [p for p in mod._parameters.values() if p is not None and id(p) in pending]
+        mine = list({id(p): p for p in held}.values())  # a module may hold one twice
+        if not mine:
+            continue
+        for p in mine:
+            if p.is_meta:  # a tied parameter is allocated by its first module only
+                set_data_(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+                live += p.numel()
+        peak = max(peak, live)
+        if id(mod) not in inits:
+            raise _no_initializer(name, mod)
+        inits[id(mod)]()
+        for p in mine:
+            remaining[id(p)] -= sum(q is p for q in held)
+            if remaining[id(p)] == 0:
+                live -= p.numel()
+                if sink is not None:
+                    sink(p, p.data)
+                pending.discard(id(p))
     return peak
+
+
+def _device() -> torch.device:
+    """Where ``zero.Init`` creates shards: the engine's device (``initialize`` agrees)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _roots(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules that are no other listed module's descendant, in the given order."""
+    inner = {id(c) for m in modules for c in m.modules() if c is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
+def _agreed_rng(roots: list[nn.Module], rng: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Rank 0's RNG state, after checking every rank built the same parameters (one small
+    collective; a world of one skips it). Ranks seeded differently still get rank 0's
+    values, as DeepSpeed's broadcast from rank 0 gives."""
+    if comm.get_world_size() == 1:
+        return rng
+    layout = [
+        (n, tuple(p.shape), str(p.dtype))
+        for r in roots
+        for n, p in r.named_parameters()
+        if p.is_meta
+    ]
+    every = comm.all_gather_object((layout, rng))
+    if any(e[0] != layout for e in every):
+        comm.check_same_across_ranks(layout, "model built under zero.Init")
+    return every[0][1]
+
+
+def partition_pending() -> int:
+    """Partition the models built so far in the active ``zero.Init`` (collective when the
+    world is larger than one). Returns the peak number of elements materialized at once."""
+    built = list(getattr(_STATE, "built", {}).values())
+    _STATE.built = {}
+    roots = [m for m in _roots(built) if has_meta_parameters(m)]
+    if not roots:
+        return 0
+    rng = _agreed_rng(roots, _STATE.rng)
+    shards = InitShards()
+    with _replayed_rng(rng):
+        peak = max(_partition_root(r, shards) for r in roots)
+        _STATE.rng = _capture_rng()  # a later partitioning continues the same stream
+    _STATE.peak = max(getattr(_STATE, "peak", 0), peak)
+    return peak
+
+
+def partition_meta_(model: nn.Module) -> int:
+    """Partition ``model``'s remaining meta parameters (``initialize`` calls this): those of
+    an ``Init`` still open, then any other meta parameter, from the RNG state captured on the
+    model. Returns the peak number of elements materialized at once."""
+    peak = partition_pending() if deferred_init_active() else 0
+    if not has_meta_parameters(model):
+        return peak
+    modules = list(model.named_modules())
+    rng = next((getattr(m, _RNG_ATTR) for _, m in modules if hasattr(m, _RNG_ATTR)), None)
+    rng = _agreed_rng([model], rng)
+    with _replayed_rng(rng):
+        return max(peak, _partition_root(model, InitShards()))
+
+
+def _partition_root(root: nn.Module, shards: InitShards) -> int:
+    peak = _materialize(list(root.named_modules()), _device(), shards.keep_shard_, None)
+    for m in root.modules():
+        if any(init_owner(p) is shards for p in m._parameters.values() if p is not None):
+            shards.guard_forward(m)
+    return peak
+
+
+@torch.no_grad()
+def unpartition_(model: nn.Module) -> None:
+    """Give every rank the full value of each ``zero.Init`` parameter of ``model`` and make
+    them ordinary parameters again (ZeRO stages 0-2 and inference hold the whole model).
+    Collective: every rank calls it."""
+    partition_meta_(model)
+    owners: dict[int, InitShards] = {}
+    for p in model.parameters():  # unique parameters, the same order on every rank
+        owner = init_owner(p)
+        if owner is None:
+            continue
+        owners[id(owner)] = owner
+        value = owner.full(p).view(full_shape(p))
+        p.data = value.clone() if owner.world == 1 else value
+        unmark_(p)
+    for owner in owners.values():
+        owner.drop_guards(model)

@@ -185,8 +185,8 @@ class ZeroOptimizer:
         """Each parameter's slice of this rank's master region (whole bucket at stage 0)."""
         lo, hi = self.store.owned_range(bucket.index)
         out = []
-        for off, p in zip(bucket.offsets, bucket.params):
-            start, stop = max(off, lo), min(off + p.numel(), hi)
+        for off, n in zip(bucket.offsets, bucket.numels):
+            start, stop = max(off, lo), min(off + n, hi)
             if start < stop:
                 out.append(slice(start - lo, stop - lo))
         return out
@@ -204,10 +204,8 @@ class ZeroOptimizer:
             split = [
                 b.names[i]
                 for b in self.buckets
-                for i, (off, p) in enumerate(zip(b.offsets, b.params))
-                if any(
-                    off < s < off + p.numel() for s in range(b.shard_numel, b.numel, b.shard_numel)
-                )
+                for i, (off, n) in enumerate(zip(b.offsets, b.numels))
+                if any(off < s < off + n for s in range(b.shard_numel, b.numel, b.shard_numel))
             ]
             if split:
                 raise ConfigError(
@@ -348,8 +346,8 @@ class ZeroOptimizer:
             return None
         lo, hi = self.store.owned_range(bucket.index)
         parts = []
-        for off, p in zip(bucket.offsets, bucket.params):
-            start, stop = max(off, lo), min(off + p.numel(), hi)
+        for off, p, n in zip(bucket.offsets, bucket.params, bucket.numels):
+            start, stop = max(off, lo), min(off + n, hi)
             if start < stop:
                 kind = 2 if getattr(p, "grad_norm_duplicate", False) else 1
                 if kind == 1 and getattr(p, "tensor_parallel_dim", None) is not None:

@@ -194,7 +194,7 @@ class GradientReducer:
             if i not in written:
                 bucket.grad_view(buf, i).zero_()
                 written.add(i)
-        end = bucket.offsets[-1] + bucket.params[-1].numel()
+        end = bucket.offsets[-1] + bucket.numels[-1]
         if end < bucket.numel:
             buf[end:].zero_()
 

@@ -9,6 +9,13 @@ autograd saved keep their identity and see the data again when it is re-gathered
 the unit's outputs gathers it again for backward, and it is freed once all of its gradients
 have been reduce-scattered. Between uses each rank holds only its 1/N shard.
 
+What users see of a released parameter is DeepSpeed's contract (:mod:`slipstream.zero.param`):
+an empty tensor (``numel() == 0``) with the real shape in ``ds_shape``, so any access is safe.
+Gathering points ``param.data`` at its view of the bucket and releasing points it at an empty
+placeholder; ``.data`` assignment keeps the parameter's identity, so the parameter autograd
+saved in forward sees its values again in backward, and views of it autograd saved keep the
+bucket's storage, which ``resize_`` refills.
+
 Units smaller than ``stage3_param_persistence_threshold`` elements stay gathered (their
 updated shards are all-gathered after each step), as in DeepSpeed. While a unit runs, the
 units that followed it in the previous pass (forward and backward orders are recorded
@@ -21,8 +28,7 @@ Before every gather the ranks exchange the unit's index: ranks that run differen
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +45,20 @@ from slipstream.distributed.quantize import (
     quantize_blocks,
 )
 from slipstream.zero.flat import Bucket, _make_bucket
-from slipstream.zero.init import materialize_
+from slipstream.zero.init_shards import InitShards, init_owner
+from slipstream.zero.param import (
+    EXTERNAL_ATTR,
+    INIT_OWNER_ATTR,
+    OWNER_ATTR,
+    ZeroParamStatus,
+    bind_,
+    empty_like_released,
+    mark_partitioned_,
+    release_,
+    unmark_,
+)
 
 __all__ = [
-    "GatheredParameters",
     "ShardedStore",
     "ZeroPPWeights",
     "set_z3_leaf_modules",
@@ -51,8 +67,9 @@ __all__ = [
 
 _LEAF_ATTR = "_slipstream_z3_leaf"
 # Each partitioned parameter carries (store, unit index) under this attribute: tensors must
-# not be dict keys here (a lookup may compare them with ==, reading released storage).
-_OWNER_ATTR = "_slipstream_z3_owner"
+# not be dict keys here (a lookup may compare them with ==).
+_OWNER_ATTR = OWNER_ATTR
+_EXTERNAL_ATTR = EXTERNAL_ATTR
 
 
 def set_z3_leaf_modules(
@@ -77,8 +94,11 @@ class Unit:
     module: nn.Module
     buckets: list[int] = field(default_factory=list)
     uses: list[int] = field(default_factory=list)  # units whose parameters this unit's code reads
+    base_uses: set[int] = field(default_factory=set)  # ``uses`` from module registration
+    external: set[int] = field(default_factory=set)  # ``uses`` from register_external_parameter
     persistent: bool = False
     gathered: bool = True
+    bound: bool = False  # its parameters point at their views (gathered and waited for)
     active: int = 0  # forwards (or GatheredParameters contexts) currently using it
     pending: list[Any] = field(default_factory=list)  # all-gathers in flight (prefetch)
     frozen: list[FrozenInt8] = field(default_factory=list)  # ZeRO++ int8-stored frozen weights
@@ -93,12 +113,15 @@ class FrozenInt8:
     param: nn.Parameter
     buf: torch.Tensor
     codes: QuantizedBlocks
+    empty: torch.Tensor  # what the parameter is while released
 
     def fill(self) -> None:
         self.buf.untyped_storage().resize_(self.buf.numel() * self.buf.element_size())
         dequantize_blocks(self.codes, out=self.buf)
+        bind_(self.param, self.buf.view(self.param.ds_shape))  # type: ignore[attr-defined]
 
     def free(self) -> None:
+        release_(self.param, self.empty)
         self.buf.untyped_storage().resize_(0)
 
     def nbytes(self) -> int:
@@ -156,6 +179,8 @@ class ShardedStore:
         self.dp_size = comm.get_world_size(dp_group)
         self.partitioned = self.dp_size > 1
         self.unit_of = {b: u.index for u in units for b in u.buckets}
+        # What each bucket parameter is while released (its views are ``bucket.views``).
+        self.empties = [[empty_like_released(v) for v in b.views] for b in buckets]
         # A bucket of zero.Init parameters has no storage yet: its shard is filled later.
         self.shards = [
             b.flat[b.shard_slice(self.dp_rank)].clone()
@@ -194,6 +219,15 @@ class ShardedStore:
             if pin_memory and torch.cuda.is_available():
                 moved = moved.pin_memory()
             self.shards[b] = moved
+        self.bind_ds_tensors()
+
+    def bind_ds_tensors(self) -> None:
+        """Set each parameter's ``ds_tensor``: its part of this rank's shard (maybe empty)."""
+        for b, bucket in enumerate(self.buckets):
+            lo, hi = self.owned_range(b)
+            for p, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
+                start, stop = min(max(off, lo), hi), max(min(off + n, hi), lo)
+                p.ds_tensor = self.shards[b][start - lo : max(start, stop) - lo]  # type: ignore[attr-defined]
 
     def enable_zeropp(self, zeropp: ZeroPPWeights, model: nn.Module | None = None) -> None:
         """Turn on qwZ, hpZ and/or int8 frozen weights (before the first forward)."""
@@ -218,12 +252,12 @@ class ShardedStore:
                 n = p.numel()
                 codes = quantize_blocks(p.detach(), 8, fit_block(n, block))
                 buf = p.detach().new_empty(n)
-                p.data = buf.view(p.shape)
-                entry = FrozenInt8(p, buf, codes)
+                mark_partitioned_(p, p.shape, None)
+                entry = FrozenInt8(p, buf, codes, empty_like_released(p))
                 unit.frozen.append(entry)
                 setattr(p, _OWNER_ATTR, (self, unit.index))
-                if unit.index not in unit.uses:
-                    unit.uses = sorted([*unit.uses, unit.index])
+                unit.base_uses.add(unit.index)
+                unit.uses = sorted(unit.base_uses | unit.external)
                 if unit.gathered:
                     entry.fill()
                 else:
@@ -292,6 +326,11 @@ class ShardedStore:
         for work in unit.pending:
             work.wait()
         unit.pending = []
+        if not unit.bound:
+            for b in unit.buckets:
+                for p, view in zip(self.buckets[b].params, self.buckets[b].views):
+                    bind_(p, view)
+            unit.bound = True
 
     def _start_gather(self, unit: Unit, phase: str = "fwd") -> None:
         self._check_same_unit(unit)
@@ -315,6 +354,8 @@ class ShardedStore:
                     flat, source, group=group, async_op=True, label=label
                 )
             unit.pending.append(work)
+            for p in self.buckets[b].params:
+                p.ds_status = ZeroParamStatus.INFLIGHT  # type: ignore[attr-defined]
         for entry in unit.frozen:
             entry.fill()
         unit.gathered = True
@@ -359,10 +400,13 @@ class ShardedStore:
                 n = secondary.numel()
                 secondary.copy_(flat[g * n : (g + 1) * n])
                 self.secondary_valid[b] = True
+            for p, empty in zip(self.buckets[b].params, self.empties[b]):
+                release_(p, empty)
             flat.untyped_storage().resize_(0)
         for entry in unit.frozen:
             entry.free()
         unit.gathered = False
+        unit.bound = False
 
     def release_all(self) -> None:
         for unit in self.units:
@@ -448,6 +492,7 @@ class ShardedStore:
         """After a ``GatheredParameters`` edit: broadcast the modifier's values into the shards."""
         for b in unit.buckets:
             flat = self.buckets[b].flat
+            self._adopt_assigned(b)
             if modifier_dp_rank is not None and self.dp_size > 1:
                 src = comm.global_rank(self.group, modifier_dp_rank)
                 comm.broadcast(flat, src=src, group=self.group, label="gathered_params")
@@ -460,10 +505,33 @@ class ShardedStore:
                     )
                 self.masters[b].copy_(self.shards[b])
         for entry in unit.frozen:
+            _adopt(entry.param, entry.buf.view(entry.param.ds_shape))  # type: ignore[attr-defined]
             if modifier_dp_rank is not None and self.dp_size > 1:
                 src = comm.global_rank(self.group, modifier_dp_rank)
                 comm.broadcast(entry.buf, src=src, group=self.group, label="gathered_params")
             entry.codes = quantize_blocks(entry.buf, 8, entry.codes.block)
+
+    def _adopt_assigned(self, b: int) -> None:
+        bucket = self.buckets[b]
+        for p, view in zip(bucket.params, bucket.views):
+            _adopt(p, view)
+
+
+@torch.no_grad()
+def _adopt(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Inside ``GatheredParameters`` a user may assign ``p.data = t`` instead of editing in
+    place (as ``load_state_dict(assign=True)`` does): copy ``t`` into ``p``'s bucket view."""
+    data = p.data
+    if data.data_ptr() == view.data_ptr() and data.shape == view.shape:
+        return
+    if data.shape != view.shape:
+        raise ValueError(
+            f"GatheredParameters: a parameter of shape {tuple(view.shape)} was given a value of "
+            f"shape {tuple(data.shape)} inside the block: assign (or copy_) a tensor of the "
+            "parameter's shape"
+        )
+    view.copy_(data)
+    bind_(p, view)
 
 
 def _refuse_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -490,15 +558,14 @@ def shard_params_(
     """Partition ``model``'s trainable parameters per unit, in place; install gather hooks.
 
     Parameters must already be equal on every rank (broadcast first). Frozen parameters stay
-    replicated. Parameters on the meta device (built under ``zero.Init``) are materialized on
-    ``device`` straight into this rank's shards, one module at a time. Returns the buckets
-    (in expected gradient order) and the store.
+    replicated. Parameters partitioned by ``zero.Init`` are re-laid from their per-parameter
+    shards into this rank's bucket shards one parameter at a time (one all-gather each).
+    Returns the buckets (in expected gradient order) and the store.
     """
     if device is None:
         device = next((t.device for t in model.buffers() if not t.is_meta), torch.device("cpu"))
         device = next((p.device for p in model.parameters() if not p.is_meta), device)
     dp = comm.get_world_size(dp_group)
-    deferred = {id(p) for p in model.parameters() if p.is_meta}  # built under zero.Init
     group_of = {p: gi for gi, plist in enumerate(groups) for p in plist}
     unit_mods = _unit_modules(model)
     unit_index = {id(m): i for i, (_, m) in enumerate(unit_mods)}
@@ -517,6 +584,10 @@ def shard_params_(
             owner.setdefault(p, here)
             uses[here].add(owner[p])
     units = [Unit(i, n, m) for i, (n, m) in enumerate(unit_mods)]
+    for mod in model.modules():  # register_external_parameter before initialize
+        for p in getattr(mod, _EXTERNAL_ATTR, []):
+            if p in owner:
+                units[nearest[id(mod)]].external.add(owner[p])
     buckets: list[Bucket] = []
     for unit in reversed(units):
         mine = [p for p in owner if owner[p] == unit.index]
@@ -528,85 +599,72 @@ def shard_params_(
             unit.buckets.append(bucket.index)
             buckets.append(bucket)
     for unit in units:
-        unit.uses = sorted(u for u in uses[unit.index] if units[u].buckets)
+        unit.base_uses = {u for u in uses[unit.index] if units[u].buckets}
+        unit.external = {u for u in unit.external if units[u].buckets}
+        unit.uses = sorted(unit.base_uses | unit.external)
         numel = sum(buckets[b].numel for b in unit.buckets)
         unit.persistent = numel < cfg.stage3_param_persistence_threshold
-    store = _finish(buckets, units, dp_group)
+    store = ShardedStore(buckets, units, dp_group)
+    deferred = {b.index for b in buckets if any(init_owner(p) for p in b.params)}
+    store.materialize_peak_numel = _take_init_shards(model, store)
+    _finish(store, deferred)
     store.module_unit = dict(nearest)
     store.prefetch_numel = cfg.stage3_prefetch_bucket_size
     store.max_live_numel = cfg.stage3_max_live_parameters
-    if deferred:
-        store.materialize_peak_numel = _materialize_shards(model, store, deferred, device)
     return buckets, store
 
 
-def _materialize_shards(
-    model: nn.Module, store: ShardedStore, deferred: set[int], device: torch.device
-) -> int:
-    """Initialize a ``zero.Init`` model straight into this rank's shards, module by module."""
-    where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
+@torch.no_grad()
+def _take_init_shards(model: nn.Module, store: ShardedStore) -> int:
+    """Re-lay ``zero.Init`` shards into the store's bucket shards (frozen ones become full
+    replicated parameters), one parameter at a time. Returns the most elements held in full
+    at once."""
+    peak = 0
+    owners: set[InitShards] = set()
     for bucket in store.buckets:
+        lo, hi = store.owned_range(bucket.index)
         for p, off in zip(bucket.params, bucket.offsets):
-            where[id(p)] = (bucket.index, off)
-
-    def keep_slice(p: nn.Parameter, full: torch.Tensor) -> None:
-        if id(p) not in where:  # frozen: stays replicated, keeps its full value
-            p.data = full
-            return
-        b, off = where[id(p)]
-        lo, hi = store.owned_range(b)
-        start, stop = max(lo, off), min(hi, off + full.numel())
-        if start < stop:
-            store.shards[b][start - lo : stop - lo].copy_(
-                full.reshape(-1)[start - off : stop - off]
-            )
-
-    peak = materialize_(model, device, sink=keep_slice, pending=deferred)
-    for unit in store.units:  # persistent units stay gathered: fill them from the shards
-        if unit.persistent and unit.buckets:
-            unit.gathered = False
-            store.gather(unit)
+            init = init_owner(p)
+            if init is None:
+                continue
+            owners.add(init)
+            full = init.full(p)
+            peak = max(peak, full.numel())
+            start, stop = max(lo, off), min(hi, off + full.numel())
+            if start < stop:
+                store.shards[bucket.index][start - lo : stop - lo].copy_(
+                    full[start - off : stop - off]
+                )
+            delattr(p, INIT_OWNER_ATTR)
+    seen: set[int] = set()
+    for p in model.parameters():
+        init = init_owner(p)
+        if init is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        owners.add(init)
+        value = init.full(p)
+        peak = max(peak, value.numel())
+        p.data = (value.clone() if init.world == 1 else value).view(p.ds_shape)  # type: ignore[attr-defined]
+        unmark_(p)
+    for init in owners:
+        init.drop_guards(model)
     return peak
 
 
-def _finish(buckets: list[Bucket], units: list[Unit], dp_group: comm.Group) -> ShardedStore:
-    store = ShardedStore(buckets, units, dp_group)
-    store.release_all()
-    for b in buckets:
-        for p in b.params:
+def _finish(store: ShardedStore, deferred: set[int]) -> None:
+    """Mark the parameters, release every unit but the persistent ones (gathered from the
+    shards when they came from ``zero.Init``) and install the hooks."""
+    for b in store.buckets:
+        for p, shape in zip(b.params, b.shapes):
             setattr(p, _OWNER_ATTR, (store, store.unit_of[b.index]))
+            mark_partitioned_(p, shape, None)
+    store.bind_ds_tensors()
+    for unit in store.units:  # eager parameters already point at their (filled) views
+        unit.bound = not deferred.intersection(unit.buckets)
+    store.release_all()
+    for unit in store.units:
+        if unit.persistent and not unit.bound:
+            unit.gathered = False
+            store.gather(unit)
     store.install_hooks()
-    return store
-
-
-@contextmanager
-def GatheredParameters(
-    params: nn.Parameter | Sequence[nn.Parameter],
-    modifier_rank: int | None = None,
-    enabled: bool = True,
-) -> Iterator[None]:
-    """Give temporary full access to ZeRO-3 partitioned parameters (DeepSpeed's API).
-
-    Every data-parallel rank must enter it with the same parameters. With ``modifier_rank``,
-    edits made on that data-parallel rank are broadcast to all ranks and kept. Parameters that
-    are not partitioned pass through unchanged.
-    """
-    plist = [params] if isinstance(params, torch.Tensor) else list(params)
-    entries: dict[tuple[int, int], tuple[ShardedStore, Unit]] = {}
-    for p in plist if enabled else []:
-        owner = getattr(p, _OWNER_ATTR, None)
-        if owner is not None:
-            store, idx = owner
-            entries[(id(store), idx)] = (store, store.units[idx])
-    units = [entries[k] for k in sorted(entries)]
-    for store, unit in units:
-        store.gather(unit)
-        unit.active += 1
-    try:
-        yield
-    finally:
-        for store, unit in units:
-            unit.active -= 1
-            if modifier_rank is not None:
-                store.set_full(unit, modifier_rank)
-            store.release(unit)

@@ -77,26 +77,28 @@ def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _build(kind: str) -> nn.Module:
+def _build(kind: str) -> tuple[nn.Module, int]:
+    """The model and the most parameter elements zero.Init held at once (0 without it)."""
     if kind == "twice_init":  # sharded construction: parameters never exist in full
-        with slipstream.zero.Init():
+        with slipstream.zero.Init() as ctx:
             model = _twice()
-        assert all(p.is_meta for p in model.parameters())
-        return model
-    return _twice() if kind == "twice" else _llama()
+        assert all(p.numel() == 0 and p.ds_tensor.numel() > 0 for p in model.parameters())
+        return model, ctx.peak_numel
+    return (_twice() if kind == "twice" else _llama()), 0
 
 
 def engine_params(kind: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _build(kind)
+    model, init_peak = _build(kind)
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
     engine, opt, _, _ = slipstream.initialize(model=model, config=config)
-    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    every = sum(p.numel() for p in model.parameters())
+    total = sum(p.ds_numel for p in model.parameters() if p.requires_grad)
+    every = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    largest = max(p.ds_numel for p in model.parameters() if p.requires_grad)
     shard = sum(s.numel() for s in opt.store.shards)
     for step in _batches(world):
         x, y = step[rank]
@@ -104,13 +106,15 @@ def engine_params(kind: str) -> dict[str, Any]:
         engine.step()
     with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    peak = opt.store.materialize_peak_numel
+    relay_peak = opt.store.materialize_peak_numel
     engine.destroy()
     return {
         "params": params,
         "shard_numel": shard,
         "total_numel": total,
-        "peak_numel": peak,
+        "peak_numel": init_peak,
+        "relay_peak_numel": relay_peak,
+        "largest_numel": largest,
         "all_numel": every,
     }
 

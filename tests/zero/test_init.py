@@ -1,36 +1,57 @@
-"""zero.Init: construction allocates no parameters; materialization gives eager's values."""
+"""zero.Init: construction allocates no full model; the shards hold eager's values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import slipstream
 from slipstream.models import GPT, GPTConfig
-from slipstream.zero import Init, materialize_
+from slipstream.zero import GatheredParameters, Init, ZeroParamStatus, materialize_
 from tests.distributed.harness import run_world
 
 
+def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    with GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("tie", [False, True])
-def test_gpt_under_init_materializes_to_eager_weights_bit_for_bit(tie):
+def test_gpt_under_init_is_partitioned_with_eager_weights_bit_for_bit(tie):
+    """Without torch.distributed, Init runs as a world of one (no process group made)."""
     cfg = GPTConfig.preset("tiny", tie_embeddings=tie)
     torch.manual_seed(3)
     eager = GPT(cfg)
     torch.manual_seed(3)
-    with Init():
+    with Init() as ctx:
         model = GPT(cfg)
-    assert all(p.is_meta for p in model.parameters())
+    assert not dist.is_initialized()
+    for (name, e), p in zip(eager.named_parameters(), model.parameters()):
+        assert p.shape == (0,) and p.ds_shape == e.shape and p.ds_numel == e.numel(), name
+        assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.ds_tensor.numel() == e.numel()
     assert not model.rope_cos.is_meta  # buffers stay real
     assert (model.lm_head.weight is model.embed_tokens.weight) == tie
-    peak = materialize_(model, "cpu")
-    largest = max(p.numel() for p in model.parameters())
-    assert largest <= peak < sum(p.numel() for p in model.parameters())
-    assert (model.lm_head.weight is model.embed_tokens.weight) == tie
-    for (name, a), (_, b) in zip(eager.state_dict().items(), model.state_dict().items()):
-        assert torch.equal(a, b), name
+    largest = max(p.ds_numel for p in model.parameters())
+    assert largest <= ctx.peak_numel < sum(p.ds_numel for p in model.parameters())
+    got = _full_values(model)
+    for name, a in eager.named_parameters():
+        assert torch.equal(a, got[name]), name
     x = torch.randint(0, 256, (2, 8))
-    assert torch.equal(eager(x, x), model(x, x))
+    with GatheredParameters(list(model.parameters())):
+        assert torch.equal(eager(x, x), model(x, x))
+
+
+def test_materialize_keeps_working_on_a_meta_model():
+    """materialize_ (the engine under Init) fills a model built on meta by hand."""
+    torch.manual_seed(1)
+    eager = nn.Linear(4, 8)
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        model = nn.Linear(4, 8)
+    assert materialize_(model, "cpu") == 40
+    assert torch.equal(model.weight, eager.weight) and torch.equal(model.bias, eager.bias)
 
 
 def test_hf_model_under_init_gets_the_same_initializers():
@@ -44,9 +65,10 @@ def test_hf_model_under_init_gets_the_same_initializers():
     eager = transformers.LlamaForCausalLM(cfg)
     with Init():
         model = transformers.LlamaForCausalLM(cfg)
-    assert all(p.is_meta for p in model.parameters())
-    materialize_(model, "cpu")
-    for (name, a), (_, b) in zip(eager.named_parameters(), model.named_parameters()):
+    assert all(p.numel() == 0 for p in model.parameters())
+    got = _full_values(model)
+    for name, a in eager.named_parameters():
+        b = got[name]
         if "norm" in name:
             assert torch.equal(a, b), name  # ones
         else:
@@ -58,11 +80,58 @@ def test_plain_torch_modules_fall_back_to_reset_parameters_and_dtype_applies():
     torch.manual_seed(1)
     with Init(dtype=torch.bfloat16):
         model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
-    assert model[0].weight.dtype == torch.bfloat16 and model[0].weight.is_meta
-    materialize_(model, "cpu")
-    assert model[0].weight.abs().max() <= 0.5 + 1e-3  # kaiming uniform bound 1/sqrt(4)
-    assert model[0].weight.std() > 0.05
-    assert torch.equal(model[1].weight, torch.ones(8, dtype=torch.bfloat16))
+    assert model[0].weight.dtype == torch.bfloat16 and model[0].weight.ds_shape == (8, 4)
+    got = _full_values(model)
+    assert got["0.weight"].abs().max() <= 0.5 + 1e-3  # kaiming uniform bound 1/sqrt(4)
+    assert got["0.weight"].std() > 0.05
+    assert torch.equal(got["1.weight"], torch.ones(8, dtype=torch.bfloat16))
+
+
+def test_gathered_parameters_edits_land_in_the_shards_only_with_modifier_rank():
+    with Init():
+        model = nn.Sequential(nn.Linear(3, 2))
+    w = model[0].weight
+    with GatheredParameters(w, modifier_rank=0), torch.no_grad():
+        w.fill_(2.0)
+    with GatheredParameters([w]), torch.no_grad():
+        assert w.ds_status is ZeroParamStatus.AVAILABLE and torch.equal(w, torch.full((2, 3), 2.0))
+        w.fill_(5.0)  # no modifier_rank: discarded
+    with GatheredParameters([w], modifier_rank=0):
+        w.data = torch.full((2, 3), 3.0)  # assignment is kept too
+    assert torch.equal(_full_values(model)["0.weight"], torch.full((2, 3), 3.0))
+    bad_shape = r"shape \(2, 3\) was given a value of shape \(4,\)"
+    with pytest.raises(ValueError, match=bad_shape), GatheredParameters([w], modifier_rank=0):
+        w.data = torch.zeros(4)
+
+
+def test_gathered_parameters_inside_an_open_init_partitions_what_was_built():
+    """The DeepSpeed pattern of editing weights right after construction, inside Init."""
+    with Init():
+        layer = nn.Linear(2, 2)
+        assert layer.weight.is_meta
+        with GatheredParameters(layer.weight, modifier_rank=0), torch.no_grad():
+            layer.weight.copy_(torch.eye(2))
+        model = nn.Sequential(layer, nn.Linear(2, 1))
+    assert torch.equal(_full_values(model)["0.weight"], torch.eye(2))
+    assert model[1].weight.ds_shape == (1, 2)
+
+
+def test_forward_before_initialize_is_an_error_with_directions():
+    with Init():
+        model = nn.Sequential(nn.Linear(3, 2))
+    with pytest.raises(RuntimeError, match=r"partitioned by zero.Init.*GatheredParameters"):
+        model(torch.ones(1, 3))
+    with GatheredParameters(list(model.parameters())):
+        assert model(torch.ones(1, 3)).shape == (1, 2)
+
+
+def test_a_parameter_partitioned_elsewhere_is_named_in_the_error():
+    """A parameter with DeepSpeed's attributes but not slipstream's (a real DeepSpeed)."""
+    p = nn.Parameter(torch.empty(0))
+    p.ds_id, p.ds_shape, p.ds_status = 7, (4, 4), "NOT_AVAILABLE"
+    foreign = r"partitioned by another ZeRO-3 implementation"
+    with pytest.raises(RuntimeError, match=foreign), GatheredParameters([p]):
+        pass
 
 
 def test_module_without_any_initializer_is_named_in_the_error():
@@ -71,10 +140,10 @@ def test_module_without_any_initializer_is_named_in_the_error():
             super().__init__()
             self.gain = nn.Parameter(torch.ones(3))
 
-    with Init():
-        model = nn.Sequential(nn.Linear(3, 3), Scale())
-    with pytest.raises(TypeError, match=r"module '1' \(Scale\).*\['gain'\].*reset_parameters"):
-        materialize_(model, "cpu")
+    named = r"module '1' \(Scale\).*\['gain'\].*reset_parameters"
+    with pytest.raises(TypeError, match=named), Init():
+        nn.Sequential(nn.Linear(3, 3), Scale())
+    assert not slipstream.zero.init.deferred_init_active()  # the failed Init was left
 
 
 def test_init_rejects_options_it_does_not_implement():

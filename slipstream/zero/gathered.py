@@ -1,0 +1,144 @@
+"""DeepSpeed's ZeRO-3 access API: ``GatheredParameters`` and external parameters.
+
+``GatheredParameters`` works on both kinds of partitioned parameter slipstream makes: those of
+a ``zero.Init`` model before ``initialize`` (per-parameter shards,
+:mod:`slipstream.zero.init_shards`) and those of a ZeRO-3 engine (per-unit flat buckets,
+:mod:`slipstream.zero.stage3`). A parameter another ZeRO-3 implementation partitioned is
+refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.zero.init import deferred_init_active, partition_pending
+from slipstream.zero.init_shards import InitShards, init_owner
+from slipstream.zero.param import EXTERNAL_ATTR, OWNER_ATTR, foreign_partition_error, is_zero_param
+from slipstream.zero.stage3 import ShardedStore, Unit
+
+__all__ = ["GatheredParameters", "register_external_parameter", "unregister_external_parameter"]
+
+_OWNER_ATTR = OWNER_ATTR
+_EXTERNAL_ATTR = EXTERNAL_ATTR
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module``'s forward reads ``parameter``, which another module owns
+    (DeepSpeed's API): ZeRO-3 then gathers it whenever ``module`` runs. Call it before or
+    after ``initialize``."""
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(
+            f"register_external_parameter({type(module).__name__}, ...) needs an "
+            f"nn.Parameter, got {type(parameter).__name__}"
+        )
+    external: list[nn.Parameter] = module.__dict__.setdefault(_EXTERNAL_ATTR, [])
+    if not any(q is parameter for q in external):
+        external.append(parameter)
+    _update_external(module, parameter, add=True)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter`."""
+    external: list[nn.Parameter] = module.__dict__.get(_EXTERNAL_ATTR, [])
+    module.__dict__[_EXTERNAL_ATTR] = [q for q in external if q is not parameter]
+    _update_external(module, parameter, add=False)
+
+
+def _update_external(module: nn.Module, parameter: nn.Parameter, add: bool) -> None:
+    """After ``initialize``: add or drop the owner unit in the unit running ``module``."""
+    owner = getattr(parameter, _OWNER_ATTR, None)
+    if owner is None:
+        return  # not partitioned yet: shard_params_ reads the module's list
+    store, idx = owner
+    where = store.module_unit.get(id(module))
+    if where is None:
+        raise ValueError(
+            f"register_external_parameter: {type(module).__name__} is not part of the model "
+            "whose parameter was passed: register the parameter on a module of that model"
+        )
+    unit = store.units[where]
+    if add:
+        unit.external.add(idx)
+    elif not any(
+        getattr(q, _OWNER_ATTR, (None, -1))[1] == idx
+        for q in module.__dict__.get(_EXTERNAL_ATTR, [])
+    ):
+        unit.external.discard(idx)
+    unit.uses = sorted(unit.base_uses | unit.external)
+    store.remove_hooks()
+    store.install_hooks()
+
+
+def _partition_owners(
+    plist: list[Any],
+) -> tuple[list[tuple[ShardedStore, Unit]], dict[int, tuple[InitShards, list[nn.Parameter]]]]:
+    """Group ``plist`` by what manages each parameter: store units and ``zero.Init`` shards.
+    Raises for a parameter another ZeRO-3 implementation partitioned."""
+    if deferred_init_active() and any(isinstance(p, torch.Tensor) and p.is_meta for p in plist):
+        partition_pending()  # inside an open zero.Init: partition what was built so far
+    units: dict[tuple[int, int], tuple[ShardedStore, Unit]] = {}
+    inits: dict[int, tuple[InitShards, list[nn.Parameter]]] = {}
+    for i, p in enumerate(plist):
+        if not isinstance(p, nn.Parameter):
+            continue  # DeepSpeed ignores what is not a parameter
+        owner = getattr(p, _OWNER_ATTR, None)
+        init = init_owner(p)
+        if owner is not None:
+            store, idx = owner
+            units[(id(store), idx)] = (store, store.units[idx])
+        elif init is not None:
+            group = inits.setdefault(id(init), (init, []))[1]
+            if not any(q is p for q in group):
+                group.append(p)
+        elif is_zero_param(p):
+            raise foreign_partition_error(f"#{i} of the GatheredParameters list", p)
+    for _, group in inits.values():
+        group.sort(key=lambda q: int(q.ds_id))  # type: ignore[attr-defined]  # same order on every rank
+    return [units[k] for k in sorted(units, key=lambda k: k[1])], inits
+
+
+@contextmanager
+def GatheredParameters(
+    params: nn.Parameter | Sequence[nn.Parameter] | None,
+    modifier_rank: int | None = None,
+    fwd_module: nn.Module | None = None,
+    enabled: bool = True,
+) -> Iterator[None]:
+    """Give temporary full access to ZeRO-3 partitioned parameters (DeepSpeed's API).
+
+    Every data-parallel rank must enter it with the same parameters. With ``modifier_rank``,
+    edits made on that rank (in place, or by assigning ``p.data``) are broadcast to all ranks
+    and kept in the shards; without it they are discarded when the block ends. Works on
+    parameters built under ``zero.Init`` before ``initialize`` too. Parameters that are not
+    partitioned pass through unchanged; ``fwd_module`` registers the parameters as external
+    parameters of that module (see :func:`register_external_parameter`).
+    """
+    if params is None or not enabled:
+        yield
+        return
+    plist = [params] if isinstance(params, torch.Tensor) else list(params)
+    if fwd_module is not None:
+        for p in plist:
+            if isinstance(p, nn.Parameter):
+                register_external_parameter(fwd_module, p)
+    units, inits = _partition_owners(plist)
+    for store, unit in units:
+        store.gather(unit)
+        unit.active += 1
+    for init, group in inits.values():
+        init.gather(group)
+    try:
+        yield
+    finally:
+        for init, group in inits.values():
+            init.release(group, modifier_rank)
+        for store, unit in units:
+            unit.active -= 1
+            if modifier_rank is not None:
+                store.set_full(unit, modifier_rank)
+            store.release(unit)
