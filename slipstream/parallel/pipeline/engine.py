@@ -33,6 +33,7 @@ from slipstream.parallel.pipeline.schedule import (
 from slipstream.runtime.dataloader import RepeatingLoader
 from slipstream.runtime.engine import Engine
 from slipstream.zero import ZeroOptimizer
+from slipstream.zero.param import full_numel, full_shape
 
 __all__ = ["ActivationStats", "PipelineEngine"]
 
@@ -383,7 +384,8 @@ class PipelineEngine(Engine):
             for i, p in enumerate(module.tied_parameters(key)):
                 grad = self._tied_grads.get((key, i))
                 if grad is None:
-                    grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    # full_*: under ZeRO-3 a released parameter is an empty tensor
+                    grad = torch.zeros(full_shape(p), dtype=torch.float32, device=p.device)
                 flat = grad.reshape(-1)
                 comm.all_reduce(flat, group=module.tied_groups[key], label=f"tied_{key}")
                 if dp_size > 1:
@@ -393,7 +395,7 @@ class PipelineEngine(Engine):
                     continue  # frozen: not in the optimizer
                 bucket, off = where[id(p)]
                 lo, hi = opt.store.owned_range(bucket.index)
-                start, stop = max(off, lo), min(off + p.numel(), hi)
+                start, stop = max(off, lo), min(off + full_numel(p), hi)
                 if start < stop:
                     shard = opt.reducer.grad_shard(bucket.index)
                     shard[start - lo : stop - lo] += flat[start - off : stop - off].to(shard.dtype)
