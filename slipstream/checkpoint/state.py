@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.checkpoint import _faults
 from slipstream.checkpoint.format import CheckpointError, CheckpointReader, dtype_name
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.stage3 import GatheredParameters, ShardedStore
@@ -231,6 +232,28 @@ def restore_state(
     if opt is None:
         return
     stage3 = isinstance(opt.store, ShardedStore)
+    # A read that fails on this rank only must not skip the publish collectives below (the
+    # other ranks would wait in them): the error is raised after them.
+    error: Exception | None = None
+    try:
+        _restore_buckets(reader, opt, stage3, load_optimizer_states)
+        _faults.point("load.restored")
+    except Exception as e:
+        error = e
+    if stage3:
+        assert isinstance(opt.store, ShardedStore)
+        works = [opt.store.publish(b) for b in range(len(opt.buckets))]
+        for w in works:
+            if w is not None:
+                w.wait()  # type: ignore[attr-defined]
+    if error is not None:
+        raise error
+
+
+def _restore_buckets(
+    reader: CheckpointReader, opt: ZeroOptimizer, stage3: bool, load_optimizer_states: bool
+) -> None:
+    """Parameters, masters and optimizer states of every bucket: reads only, no collectives."""
     scalars: dict[str, dict[str, Any]] = reader.manifest.get("optim_scalars", {})
     keys: list[str] = reader.manifest.get("optim_keys", [])
     for b, bucket in enumerate(opt.buckets):
@@ -256,12 +279,6 @@ def restore_state(
             _restore_optimizer_states(reader, opt, b, keys, scalars)
         if opt.swapper is not None:
             opt._swap_out(b)
-    if stage3:
-        assert isinstance(opt.store, ShardedStore)
-        works = [opt.store.publish(b) for b in range(len(opt.buckets))]
-        for w in works:
-            if w is not None:
-                w.wait()  # type: ignore[attr-defined]
 
 
 def _restore_optimizer_states(
