@@ -88,7 +88,14 @@ def _raise_if_failed(what: str, error: BaseException | None, payload: Any = None
     if comm.get_world_size() == 1:
         outcomes = [(report, payload)]
     else:
-        outcomes = comm.all_gather_object((report, payload))
+        try:
+            outcomes = comm.all_gather_object((report, payload))
+        except RuntimeError as e:  # a peer died: the transport error is all there is to say
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"{what}: the ranks could not agree on its outcome, a rank probably died or "
+                f"left the job ({first})"
+            ) from (error or e)
     failed = {r: m for r, (m, _) in enumerate(outcomes) if m is not None}
     if not failed:
         return [p for _, p in outcomes]

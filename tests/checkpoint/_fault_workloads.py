@@ -181,6 +181,14 @@ def damage(root_: str) -> dict[str, Any]:
     return out
 
 
+def single_process(root: str) -> dict[str, Any]:
+    """Both single-process scenarios in one process (one interpreter start-up)."""
+    return {
+        "crashes": tag_reuse_crashes(os.path.join(root, "crash")),
+        "damage": damage(os.path.join(root, "damage")),
+    }
+
+
 def one_rank_failures(root: str) -> dict[str, Any]:
     """2 ranks at ZeRO-3; the script catches every checkpoint error and goes on to a barrier.
 

@@ -13,9 +13,19 @@ from tests.distributed.harness import run_world
 
 
 @pytest.fixture(scope="module")
-def crashes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    (result,) = run_world(w.tag_reuse_crashes, 1, str(tmp_path_factory.mktemp("crash")))
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    (result,) = run_world(w.single_process, 1, str(tmp_path_factory.mktemp("single")))
     return result
+
+
+@pytest.fixture
+def crashes(single: dict[str, Any]) -> dict[str, Any]:
+    return single["crashes"]
+
+
+@pytest.fixture
+def damaged(single: dict[str, Any]) -> dict[str, Any]:
+    return single["damage"]
 
 
 @pytest.mark.parametrize("mode", ["exchange", "two_renames"])
@@ -35,12 +45,6 @@ def test_tag_reuse_save_stopped_after_any_step_loads_old_or_new(crashes, mode):
         assert run["reload"] == run["load"], run
         seen.add(run["state"])
     assert seen == {"old", "new"}  # crashes before and after the commit point
-
-
-@pytest.fixture(scope="module")
-def damaged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    (result,) = run_world(w.damage, 1, str(tmp_path_factory.mktemp("damage")))
-    return result
 
 
 def test_edited_or_damaged_manifest_is_refused_naming_the_file(damaged):
