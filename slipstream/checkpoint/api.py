@@ -11,20 +11,21 @@ the time of one small collective, instead of leaving the other ranks waiting in 
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from slipstream._logging import log_rank0
 from slipstream.checkpoint import _faults, commit
+from slipstream.checkpoint._agreement import on_every_rank, on_rank0, raise_if_failed
 from slipstream.checkpoint.commit import LATEST, SaveLock
 from slipstream.checkpoint.export import HF_CONFIG
 from slipstream.checkpoint.format import (
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     from slipstream.runtime.engine import Engine
 
 __all__ = ["PendingSave", "finish_save", "load_checkpoint", "save_checkpoint"]
-
-T = TypeVar("T")
 
 
 def _rendezvous(engine: Engine, what: str) -> None:
@@ -69,76 +68,6 @@ def _agree(engine: Engine, value: str, what: str) -> str:
         if mode == "Warn":
             log_rank0("%s; using rank 0's %r", detail, values[0])
     return str(values[0])
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, CheckpointError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
-
-
-def _raise_if_failed(what: str, error: BaseException | None, payload: Any = None) -> list[Any]:
-    """Agree on the outcome of phase ``what``; returns every rank's ``payload``.
-
-    Raises:
-        CheckpointError: on every rank when ``what`` failed on any rank, naming the ranks
-            and their messages (chained to the original error on the ranks that had it).
-    """
-    report = None if error is None else _describe(error)
-    if comm.get_world_size() == 1:
-        outcomes = [(report, payload)]
-    else:
-        try:
-            outcomes = comm.all_gather_object((report, payload))
-        except RuntimeError as e:  # a peer died: the transport error is all there is to say
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(
-                f"{what}: the ranks could not agree on its outcome, a rank probably died or "
-                f"left the job ({first})"
-            ) from (error or e)
-    failed = {r: m for r, (m, _) in enumerate(outcomes) if m is not None}
-    if not failed:
-        return [p for _, p in outcomes]
-    if (len(outcomes) == 1 and isinstance(error, CheckpointError)) or (
-        error is not None and not isinstance(error, Exception)  # e.g. KeyboardInterrupt
-    ):
-        raise error
-    messages = set(failed.values())
-    if len(failed) == 1:
-        ((rank, message),) = failed.items()
-        detail = f"rank {rank}: {message}"
-    elif len(messages) == 1:
-        detail = f"ranks {sorted(failed)}: {messages.pop()}"
-    else:
-        detail = f"ranks {sorted(failed)}: " + "; ".join(
-            f"rank {r}: {m}" for r, m in failed.items()
-        )
-    raise CheckpointError(f"{what} failed on {detail}") from error
-
-
-def _on_every_rank(what: str, fn: Callable[[], T]) -> T:
-    """``fn()`` on every rank; if it raises anywhere, a ``CheckpointError`` everywhere."""
-    value: Any = None
-    error: Exception | None = None
-    try:
-        value = fn()
-    except Exception as e:  # shared with the other ranks, then re-raised on all of them
-        error = e
-    _raise_if_failed(what, error)
-    return value  # type: ignore[no-any-return]
-
-
-def _on_rank0(what: str, fn: Callable[[], T]) -> T:
-    """``fn()`` on rank 0, its result on every rank (small picklable values); if it raises,
-    a ``CheckpointError`` everywhere."""
-    value: Any = None
-    error: Exception | None = None
-    if comm.get_rank() == 0:
-        try:
-            value = fn()
-        except Exception as e:  # shared with the other ranks, then re-raised on all of them
-            error = e
-    return _raise_if_failed(what, error, value)[0]  # type: ignore[no-any-return]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -213,7 +142,9 @@ class PendingSave:
             if self.tmp.exists():
                 commit._remove(self.tmp, "abort")
         except OSError as e:  # the next save removes it (the lock is free by then)
-            log_rank0("could not remove %s after the failed save: %s", self.tmp, e)
+            log_rank0(
+                "could not remove %s after the failed save: %s", self.tmp, e, level=logging.WARNING
+            )
         finally:
             self.lock.release()
             self.lock = None
@@ -238,7 +169,7 @@ def _begin(root: Path, tag: str, save_latest: bool) -> PendingSave:
             for action in commit.clean_leftovers(root):
                 log_rank0("save_checkpoint: %s (left by an interrupted save)", action)
         except OSError as e:  # not fatal: the next save tries again
-            log_rank0("save_checkpoint: could not clean up %s: %s", root, e)
+            log_rank0("save_checkpoint: could not clean up %s: %s", root, e, level=logging.WARNING)
         nonce = commit.new_nonce()
         held.append(SaveLock.acquire(root, nonce))
         try:
@@ -249,7 +180,7 @@ def _begin(root: Path, tag: str, save_latest: bool) -> PendingSave:
         _faults.point("save.tmp_created")
         return nonce
 
-    nonce = _on_rank0(f"save_checkpoint({root / tag}): creating the temporary directory", prepare)
+    nonce = on_rank0(f"save_checkpoint({root / tag}): creating the temporary directory", prepare)
     return PendingSave(root, tag, nonce, save_latest, held[0] if held else None)
 
 
@@ -285,7 +216,7 @@ def save_checkpoint(
     _check_tag(tag)
     pending = _begin(Path(save_dir), tag, save_latest)
     try:
-        _on_every_rank(
+        on_every_rank(
             f"{pending.where}: writing the files",
             lambda: _write_files(engine, pending, client_state, cfg.async_save),
         )
@@ -372,9 +303,9 @@ def _commit(engine: Engine, pending: PendingSave) -> None:
     """Agree that every shard is on disk; rank 0 writes the manifest, renames the directory
     into place, updates ``latest`` and applies ``keep_last``; agree that it did."""
     try:
-        _raise_if_failed(f"{pending.where}: writing the shard file", pending.error)
+        raise_if_failed(f"{pending.where}: writing the shard file", pending.error)
         every = comm.all_gather_object(dict(pending.mine or {}, files=pending.files))
-        _on_rank0(
+        on_rank0(
             f"{pending.where}: committing (manifest, rename, '{LATEST}')",
             lambda: _publish(engine, pending, every),
         )
@@ -406,7 +337,9 @@ def _publish(engine: Engine, pending: PendingSave, every: list[dict[str, Any]]) 
         try:
             commit.retain(root, keep_last, keep, pending.nonce)
         except OSError as e:  # the checkpoint is committed; the next save retries
-            log_rank0("save_checkpoint: keep_last could not delete old tags: %s", e)
+            log_rank0(
+                "save_checkpoint: keep_last could not delete old tags: %s", e, level=logging.WARNING
+            )
 
 
 def _engine_meta(engine: Engine, world: int) -> dict[str, Any]:
@@ -479,7 +412,7 @@ def load_checkpoint(
     root = Path(load_dir)
     if tag is not None:
         tag = _agree(engine, str(tag), "tag")
-    directory = _on_rank0(f"load_checkpoint({root})", lambda: commit.find_checkpoint(root, tag))
+    directory = on_rank0(f"load_checkpoint({root})", lambda: commit.find_checkpoint(root, tag))
     if directory is None:
         tags = commit.list_tags(root)
         log_rank0(
@@ -497,10 +430,10 @@ def load_checkpoint(
         reader.verify_share(rank, world)
         return reader
 
-    reader = _on_every_rank(f"{where}: verifying the files", open_and_verify)
+    reader = on_every_rank(f"{where}: verifying the files", open_and_verify)
     reader.trust_all()
     try:
-        client_state = _on_every_rank(
+        client_state = on_every_rank(
             f"{where}: restoring the state",
             lambda: _restore(
                 engine, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only

@@ -83,7 +83,16 @@ class SaveLock:
     def acquire(cls, root: Path, nonce: str) -> SaveLock:
         path = root / f".save-{nonce}.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:  # a filesystem without locks: _is_live then says "live"
+            logger.warning(
+                "%s: file locks are not supported here (%s): leftovers of crashed saves in %s "
+                "will not be removed automatically",
+                path,
+                e,
+                root,
+            )
         _faults.point("save.locked")
         return cls(path, fd)
 
@@ -112,7 +121,7 @@ def _is_live(root: Path, nonce: str) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # held (EWOULDBLOCK), or no locks on this filesystem: assume live
         return True
     finally:
         os.close(fd)  # also drops the lock if we got it
@@ -292,8 +301,11 @@ def clean_leftovers(root: Path) -> list[str]:
         if m is None or _is_live(root, m["nonce"]) or not entry.exists():
             continue
         if m["kind"] == "old" and not (root / m["tag"]).exists():
-            if recover_tag(root, m["tag"]) is not None:
-                done.append(f"recovered {m['tag']} from {entry.name}")
+            try:
+                if recover_tag(root, m["tag"]) is not None:
+                    done.append(f"recovered {m['tag']} from {entry.name}")
+            except CheckpointError:  # another copy's save is live: it finishes the job
+                pass
             continue
         _remove(entry, "clean")
         done.append(f"removed {entry.name}")
