@@ -194,7 +194,8 @@ def one_rank_failures(root: str) -> dict[str, Any]:
 
     (a) rank 0 only: ENOSPC while committing the manifest (``SLIPSTREAM_CHECKPOINT_FAULT``);
     (b) a corrupted file only rank 1 reads; (c) rank 1 only: an error while restoring, after
-    the files were verified (the stage-3 publish collectives must not hang); then a clean
+    the files were verified (the publish all-gathers of the persistent ZeRO-3 units must not
+    hang); then a clean
     save and load."""
     faulthandler.dump_traceback_later(100, exit=True)
     rank = dist.get_rank()
@@ -203,7 +204,9 @@ def one_rank_failures(root: str) -> dict[str, Any]:
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("slipstream").addHandler(handler)
     out: dict[str, Any] = {}
-    engine, loader = _engine(3, dropout=0.0)
+    # Persistent (always gathered) units: a load ends with all-gathers that publish them.
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 10**9}
+    engine, loader = _engine(3, dropout=0.0, zero_optimization=zero)
     _train(engine, loader, 1)
 
     def attempt(key: str, call: Any) -> None:
