@@ -140,7 +140,7 @@ class PendingSave:
             return
         try:
             if self.tmp.exists():
-                commit._remove(self.tmp, "abort")
+                commit.remove_tree(self.tmp, "abort")
         except OSError as e:  # the next save removes it (the lock is free by then)
             log_rank0(
                 "could not remove %s after the failed save: %s", self.tmp, e, level=logging.WARNING
@@ -172,12 +172,16 @@ def _begin(root: Path, tag: str, save_latest: bool) -> PendingSave:
             log_rank0("save_checkpoint: could not clean up %s: %s", root, e, level=logging.WARNING)
         nonce = commit.new_nonce()
         held.append(SaveLock.acquire(root, nonce))
+        tmp = root / f".{tag}.tmp-{nonce}"
         try:
-            (root / f".{tag}.tmp-{nonce}").mkdir()
+            _faults.point("save.locked")
+            tmp.mkdir()
+            _faults.point("save.tmp_created")
         except BaseException:
+            if tmp.exists():
+                tmp.rmdir()
             held.pop().release()
             raise
-        _faults.point("save.tmp_created")
         return nonce
 
     nonce = on_rank0(f"save_checkpoint({root / tag}): creating the temporary directory", prepare)

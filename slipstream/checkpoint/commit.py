@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "find_checkpoint",
     "list_tags",
     "recover_tag",
+    "remove_tree",
     "replace_dir",
     "retain",
     "write_latest",
@@ -58,6 +60,7 @@ _LOCK = re.compile(r"^\.save-(?P<nonce>[0-9a-f]{12})\.lock$")
 # half-deleted tag from a version that deleted in place.
 _OURS = re.compile(r"^(rank-\d{5}\.(safetensors|pt)|extra\.pt|hf_config\.json|manifest\.json)$")
 
+_FRESH_LOCK_S = 60.0
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 use_exchange = True
@@ -93,7 +96,6 @@ class SaveLock:
                 e,
                 root,
             )
-        _faults.point("save.locked")
         return cls(path, fd)
 
     def release(self) -> None:
@@ -131,7 +133,7 @@ def _is_live(root: Path, nonce: str) -> bool:
 # --------------------------------------------------------------------------- removal
 
 
-def _remove(path: Path, step: str) -> None:
+def remove_tree(path: Path, step: str) -> None:
     """Delete ``path`` (a file or a tree). The fault point ``<step>.half_removed`` follows
     the first deleted entry, so tests see a half-deleted directory."""
     if not path.is_dir() or path.is_symlink():
@@ -152,7 +154,7 @@ def _discard(path: Path, nonce: str) -> None:
     hidden = path.with_name(f".{path.name}.del-{nonce}")
     os.rename(path, hidden)
     _faults.point("retain.hidden")
-    _remove(hidden, "retain")
+    remove_tree(hidden, "retain")
 
 
 # --------------------------------------------------------------------------- commit
@@ -191,7 +193,7 @@ def replace_dir(tmp: Path, final: Path, nonce: str) -> None:
         _faults.point("commit.exchanged")
         fsync_dir(parent)
         _faults.point("commit.synced")
-        _remove(tmp, "commit")  # now the old checkpoint
+        remove_tree(tmp, "commit")  # now the old checkpoint
     else:
         old = parent / f".{final.name}.old-{nonce}"
         os.rename(final, old)
@@ -200,7 +202,7 @@ def replace_dir(tmp: Path, final: Path, nonce: str) -> None:
         _faults.point("commit.renamed")
         fsync_dir(parent)
         _faults.point("commit.synced")
-        _remove(old, "commit")
+        remove_tree(old, "commit")
     fsync_dir(parent)
     _faults.point("commit.done")
 
@@ -290,7 +292,7 @@ def clean_leftovers(root: Path) -> list[str]:
     Skips everything of a save whose lock is held (a concurrent saver). A ``.old`` copy is
     renamed back when its tag is missing and deleted otherwise (the save that made it
     committed); ``.tmp`` and ``.del`` directories, ``.latest.tmp`` files and free lock files
-    are deleted, and so are tag directories that only hold checkpoint files but no manifest
+    older than a minute are deleted, and so are tag directories that only hold checkpoint files but no manifest
     (half-deleted by an older version).
     """
     if not root.is_dir():
@@ -307,11 +309,11 @@ def clean_leftovers(root: Path) -> list[str]:
             except CheckpointError:  # another copy's save is live: it finishes the job
                 pass
             continue
-        _remove(entry, "clean")
+        remove_tree(entry, "clean")
         done.append(f"removed {entry.name}")
     for entry in root.iterdir():
         lock = _LOCK.match(entry.name)
-        stale_lock = lock is not None and not _is_live(root, lock["nonce"])
+        stale_lock = lock is not None and not _is_live(root, lock["nonce"]) and _aged(entry)
         if stale_lock or entry.name == f".{LATEST}.tmp":  # the name before nonces
             entry.unlink(missing_ok=True)
             done.append(f"removed {entry.name}")
@@ -321,6 +323,15 @@ def clean_leftovers(root: Path) -> list[str]:
     if done:
         fsync_dir(root)
     return done
+
+
+def _aged(lock: Path) -> bool:
+    """A free lock file is removed only once it is a minute old: a save that has just
+    created its lock file may not have taken the lock yet."""
+    try:
+        return time.time() - lock.stat().st_mtime > _FRESH_LOCK_S
+    except FileNotFoundError:
+        return False
 
 
 def _half_deleted(entry: Path) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,36 +219,53 @@ def restore_state(
     opt: ZeroOptimizer | None,
     load_optimizer_states: bool,
 ) -> None:
-    """Fill parameters, masters and (optionally) optimizer states from ``reader``."""
-    check_compatible(reader, module, opt)
+    """Fill parameters, masters and (optionally) optimizer states from ``reader``.
+
+    A step that fails on this rank only (a read error, a model that does not fit this
+    pipeline stage) must not make it skip the collectives that follow (the other ranks would
+    wait in them): after the first failure the remaining reads are skipped, the collectives
+    still run, and the error is raised at the end.
+    """
+    failed: list[Exception] = []
+
+    def attempt(step: Callable[[], None]) -> None:
+        if failed:
+            return
+        try:
+            step()
+        except Exception as e:
+            failed.append(e)
+
+    attempt(lambda: check_compatible(reader, module, opt))
     frozen = _frozen(module, opt)
     with GatheredParameters([p for _, p in frozen], modifier_rank=0):
-        for name, p in frozen:
-            name = checkpoint_name(name, p)
-            reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
+        attempt(lambda: _read_frozen(reader, frozen))
+    attempt(lambda: _read_buffers(reader, module))
+    if opt is not None:
+        stage3 = isinstance(opt.store, ShardedStore)
+        attempt(lambda: _restore_buckets(reader, opt, stage3, load_optimizer_states))
+        attempt(lambda: _faults.point("load.restored"))
+        if stage3:
+            assert isinstance(opt.store, ShardedStore)
+            works = [opt.store.publish(b) for b in range(len(opt.buckets))]
+            for w in works:
+                if w is not None:
+                    w.wait()  # type: ignore[attr-defined]
+    if failed:
+        raise failed[0]
+
+
+def _read_frozen(reader: CheckpointReader, frozen: list[tuple[str, nn.Parameter]]) -> None:
+    for name, p in frozen:
+        name = checkpoint_name(name, p)
+        reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
+
+
+def _read_buffers(reader: CheckpointReader, module: nn.Module) -> None:
     buffers = _buffers(module)
     for name in reader.names("buffer"):
         if name in buffers:
             buffers[name].copy_(reader.read_full(f"buffer/{name}"))
-    if opt is None:
-        return
-    stage3 = isinstance(opt.store, ShardedStore)
-    # A read that fails on this rank only must not skip the publish collectives below (the
-    # other ranks would wait in them): the error is raised after them.
-    error: Exception | None = None
-    try:
-        _restore_buckets(reader, opt, stage3, load_optimizer_states)
-        _faults.point("load.restored")
-    except Exception as e:
-        error = e
-    if stage3:
-        assert isinstance(opt.store, ShardedStore)
-        works = [opt.store.publish(b) for b in range(len(opt.buckets))]
-        for w in works:
-            if w is not None:
-                w.wait()  # type: ignore[attr-defined]
-    if error is not None:
-        raise error
 
 
 def _restore_buckets(

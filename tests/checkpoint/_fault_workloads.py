@@ -108,7 +108,8 @@ def tag_reuse_crashes(root: str) -> dict[str, Any]:
             first = _load(reader, snap)
             first_state = _which(reader, old, new)
             reader.save_checkpoint(snap, tag="B")
-            left = sorted(n for n in os.listdir(snap) if n.startswith("."))
+            # A free lock file stays until it is a minute old (its save may be starting).
+            left = sorted(n for n in os.listdir(snap) if n.startswith(".") and ".lock" not in n)
             again = _load(reader, snap, tag="A")
             runs.append(
                 {
@@ -163,6 +164,8 @@ def damage(root_: str) -> dict[str, Any]:
     (root / ".c.tmp-0123456789ab").mkdir()
     (root / ".c.tmp-0123456789ab" / "rank-00000.pt").write_bytes(b"x")
     (root / ".save-0123456789ab.lock").write_bytes(b"")
+    os.utime(root / ".save-0123456789ab.lock", (time.time() - 120, time.time() - 120))
+    (root / ".save-00000000000a.lock").write_bytes(b"")  # free but fresh: stays for now
     shutil.copytree(root / "a", root / ".a.old-4242")  # a pre-lock fallback leftover
     (root / ".x.del-0123456789ab").mkdir()
     (root / ".latest.tmp").write_text("a")
@@ -195,8 +198,7 @@ def one_rank_failures(root: str) -> dict[str, Any]:
     (a) rank 0 only: ENOSPC while committing the manifest (``SLIPSTREAM_CHECKPOINT_FAULT``);
     (b) a corrupted file only rank 1 reads; (c) rank 1 only: an error while restoring, after
     the files were verified (the publish all-gathers of the persistent ZeRO-3 units must not
-    hang); then a clean
-    save and load."""
+    hang); then a clean save and load."""
     faulthandler.dump_traceback_later(100, exit=True)
     rank = dist.get_rank()
     messages: list[str] = []

@@ -67,6 +67,7 @@ def test_empty_or_wrong_latest_names_the_problem_and_the_tags(damaged):
 def test_next_save_cleans_stale_leftovers_but_not_a_live_save_or_user_files(damaged):
     assert damaged["after_clean"] == [
         ".d.tmp-fedcba987654",
+        ".save-00000000000a.lock",
         ".save-fedcba987654.lock",
         "a",
         "b",
