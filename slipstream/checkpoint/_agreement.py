@@ -6,7 +6,7 @@ with ``comm.all_gather_object``: one control message per rank and phase, the cos
 barrier. Where any rank failed, every rank raises the same ``CheckpointError`` naming the
 failing ranks and their messages (chained to the original on the ranks that had it), so a
 script that catches it on every rank goes on in step instead of leaving the healthy ranks in
-the next collective until the 30-minute timeout.
+the next collective until the collective timeout (``SLIPSTREAM_COMM_TIMEOUT``).
 """
 
 from __future__ import annotations

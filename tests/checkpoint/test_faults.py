@@ -81,7 +81,7 @@ def test_a_failure_on_one_rank_reaches_every_rank_at_once(tmp_path):
     """2 ranks, the script catches the errors and goes on to a barrier: ENOSPC on rank 0 while
     committing the manifest, a corrupted file only rank 1 reads, a read error on rank 1 while
     restoring at ZeRO-3: both ranks raise an error naming the failing rank within seconds
-    (a hang would take the 1800 s collective timeout)."""
+    (a hang would last until the collective timeout, minutes)."""
     results = run_world(w.one_rank_failures, 2, str(tmp_path))
     for r in results:
         assert "committing (manifest, rename, 'latest') failed on rank 0:" in r["save"], r
