@@ -2,17 +2,19 @@
 
 Every rank calls both. Before anything else the ranks meet at a monitored barrier: a rank that
 does not arrive within ``checkpoint.barrier_timeout`` seconds is named in the error instead of
-the job hanging.
+the job hanging. After that, every phase ends with the ranks agreeing on its outcome (one
+``all_gather_object`` of an error report or None): a failure on any rank, such as rank 0
+finding the disk full while it writes the manifest or rank 1 reading a corrupted shard, raises
+a ``CheckpointError`` on *every* rank that names the failing ranks and their messages, within
+the time of one small collective, instead of leaving the other ranks waiting in a barrier.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import random
-import shutil
 import threading
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -22,16 +24,17 @@ import numpy as np
 import torch
 
 from slipstream._logging import log_rank0
+from slipstream.checkpoint import _faults, commit
+from slipstream.checkpoint._agreement import on_every_rank, on_rank0, raise_if_failed
+from slipstream.checkpoint.commit import LATEST, SaveLock
 from slipstream.checkpoint.export import HF_CONFIG
 from slipstream.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
     CheckpointReader,
-    atomic_write_text,
-    commit_dir,
     file_digest,
-    fsync_dir,
+    write_manifest,
     write_object,
     write_pieces,
 )
@@ -43,8 +46,6 @@ if TYPE_CHECKING:
     from slipstream.runtime.engine import Engine
 
 __all__ = ["PendingSave", "finish_save", "load_checkpoint", "save_checkpoint"]
-
-LATEST = "latest"
 
 
 def _rendezvous(engine: Engine, what: str) -> None:
@@ -100,21 +101,31 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass
 class PendingSave:
-    """A save whose shard file is being written in the background (``async_save``)."""
+    """A save between its first and last step: the files being written (in the background
+    with ``async_save``), and on rank 0 the lock that marks the save as live."""
 
     root: Path
-    tmp: Path
     tag: str
+    nonce: str
     save_latest: bool
-    files: dict[str, tuple[int, int]]
-    mine: dict[str, Any]
-    meta: dict[str, Any]
+    lock: SaveLock | None = None
+    files: dict[str, tuple[int, int]] | None = None
+    mine: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
     thread: threading.Thread | None = None
     shard: tuple[str, Path, dict[str, torch.Tensor]] | None = None
     error: BaseException | None = None
 
+    @property
+    def tmp(self) -> Path:
+        return self.root / f".{self.tag}.tmp-{self.nonce}"
+
+    @property
+    def where(self) -> str:
+        return f"save_checkpoint({self.root / self.tag})"
+
     def write_shard(self) -> None:
-        assert self.shard is not None
+        assert self.shard is not None and self.files is not None
         name, path, tensors = self.shard
         try:
             self.files[name] = write_pieces(path, tensors)
@@ -122,6 +133,59 @@ class PendingSave:
             self.error = e
         finally:
             self.shard = None  # drop the snapshot as soon as it is on disk
+
+    def abort(self) -> None:
+        """Rank 0, after a failure: remove the temporary directory, release the lock."""
+        if self.lock is None:
+            return
+        try:
+            if self.tmp.exists():
+                commit.remove_tree(self.tmp, "abort")
+        except OSError as e:  # the next save removes it (the lock is free by then)
+            log_rank0(
+                "could not remove %s after the failed save: %s", self.tmp, e, level=logging.WARNING
+            )
+        finally:
+            self.lock.release()
+            self.lock = None
+
+
+def _check_tag(tag: str) -> None:
+    if not tag or "/" in tag or "\0" in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not a valid directory name: it must be non-empty, "
+            f"without '/', not start with '.', and not be {LATEST!r}"
+        )
+
+
+def _begin(root: Path, tag: str, save_latest: bool) -> PendingSave:
+    """Rank 0 cleans up after crashed saves, takes this save's lock and creates its
+    temporary directory; every rank learns the directory's name."""
+    held: list[SaveLock] = []
+
+    def prepare() -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            for action in commit.clean_leftovers(root):
+                log_rank0("save_checkpoint: %s (left by an interrupted save)", action)
+        except OSError as e:  # not fatal: the next save tries again
+            log_rank0("save_checkpoint: could not clean up %s: %s", root, e, level=logging.WARNING)
+        nonce = commit.new_nonce()
+        held.append(SaveLock.acquire(root, nonce))
+        tmp = root / f".{tag}.tmp-{nonce}"
+        try:
+            _faults.point("save.locked")
+            tmp.mkdir()
+            _faults.point("save.tmp_created")
+        except BaseException:
+            if tmp.exists():
+                tmp.rmdir()
+            held.pop().release()
+            raise
+        return nonce
+
+    nonce = on_rank0(f"save_checkpoint({root / tag}): creating the temporary directory", prepare)
+    return PendingSave(root, tag, nonce, save_latest, held[0] if held else None)
 
 
 def save_checkpoint(
@@ -137,6 +201,10 @@ def save_checkpoint(
     are written by a background thread while training goes on; the checkpoint is committed
     (manifest, rename, ``latest``) by ``engine.wait_for_checkpoint()``, which the next save,
     load and ``destroy`` call first.
+
+    Raises:
+        CheckpointError: on every rank when any rank fails (full disk, no permission, ...),
+            naming the failing ranks; the previous checkpoint and ``latest`` stay as they were.
     """
     finish_save(engine)
     cfg = engine.config.checkpoint
@@ -149,16 +217,34 @@ def save_checkpoint(
     tag = _agree(
         engine, str(tag if tag is not None else f"global_step{engine.global_steps}"), "tag"
     )
-    if not tag or "/" in tag or tag.startswith("."):
-        raise CheckpointError(f"checkpoint tag {tag!r} is not a valid directory name")
-    root = Path(save_dir)
-    rank, world = comm.get_rank(), comm.get_world_size()
-    nonce = _agree(engine, uuid.uuid4().hex[:12], "temporary directory name")
-    tmp = root / f".{tag}.tmp-{nonce}"
-    if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
-    comm.barrier()
+    _check_tag(tag)
+    pending = _begin(Path(save_dir), tag, save_latest)
+    try:
+        on_every_rank(
+            f"{pending.where}: writing the files",
+            lambda: _write_files(engine, pending, client_state, cfg.async_save),
+        )
+    except BaseException:
+        pending.abort()
+        raise
+    if cfg.async_save:
+        pending.thread = threading.Thread(
+            target=pending.write_shard, name="slipstream-checkpoint", daemon=True
+        )
+        pending.thread.start()
+        engine._pending_save = pending
+        return True
+    pending.write_shard()
+    _commit(engine, pending)
+    return True
 
+
+def _write_files(
+    engine: Engine, pending: PendingSave, client_state: dict[str, Any] | None, snapshot: bool
+) -> None:
+    """This rank's small files now; its shard's tensors are staged in ``pending.shard``
+    (copies when ``snapshot``: training may change them in place before they are written)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
     opt = engine.optimizer
     if opt is not None and engine.micro_steps % engine.gradient_accumulation_steps():
         log_rank0(
@@ -167,6 +253,7 @@ def save_checkpoint(
             engine.micro_steps,
         )
     collected = collect_state(engine.module, opt, rank)
+    tmp = pending.tmp
     shard_name = f"rank-{rank:05d}.safetensors"
     files: dict[str, tuple[int, int]] = {}
     extra_name = f"rank-{rank:05d}.pt"
@@ -192,26 +279,17 @@ def save_checkpoint(
     if rank == 0 and callable(hf_config):  # a Hugging Face model: convert writes config.json
         (tmp / HF_CONFIG).write_text(hf_config())
         files[HF_CONFIG] = file_digest(tmp / HF_CONFIG)
-    mine = {
+    pending.files = files
+    pending.mine = {
         "pieces": [[t, s, e, shard_name, key] for key, (t, s, e, _) in collected.pieces.items()],
         "tensors": collected.tensors,
         "scalars": collected.optim_scalars,
     }
-    pending = PendingSave(root, tmp, tag, save_latest, files, mine, _engine_meta(engine, world))
+    pending.meta = _engine_meta(engine, world)
     tensors = {k: v[3] for k, v in collected.pieces.items()}
-    if cfg.async_save:
-        # Snapshot: training may change parameters and states in place from here on.
-        pending.shard = (shard_name, tmp / shard_name, {k: t.clone() for k, t in tensors.items()})
-        pending.thread = threading.Thread(
-            target=pending.write_shard, name="slipstream-checkpoint", daemon=True
-        )
-        pending.thread.start()
-        engine._pending_save = pending
-        return True
+    if snapshot:
+        tensors = {k: t.clone() for k, t in tensors.items()}
     pending.shard = (shard_name, tmp / shard_name, tensors)
-    pending.write_shard()
-    _commit(engine, pending)
-    return True
 
 
 def finish_save(engine: Engine) -> None:
@@ -226,30 +304,46 @@ def finish_save(engine: Engine) -> None:
 
 
 def _commit(engine: Engine, pending: PendingSave) -> None:
-    """Gather every rank's files and pieces; rank 0 writes the manifest and renames."""
-    errors = comm.all_gather_object(None if pending.error is None else repr(pending.error))
-    failed = {r: e for r, e in enumerate(errors) if e is not None}
-    if failed:
-        if pending.error is not None:
-            raise pending.error
-        raise CheckpointError(
-            f"checkpoint {pending.root / pending.tag} was not saved: ranks {sorted(failed)} "
-            f"failed to write their shards ({failed})"
+    """Agree that every shard is on disk; rank 0 writes the manifest, renames the directory
+    into place, updates ``latest`` and applies ``keep_last``; agree that it did."""
+    try:
+        raise_if_failed(f"{pending.where}: writing the shard file", pending.error)
+        every = comm.all_gather_object(dict(pending.mine or {}, files=pending.files))
+        on_rank0(
+            f"{pending.where}: committing (manifest, rename, '{LATEST}')",
+            lambda: _publish(engine, pending, every),
         )
-    every = comm.all_gather_object(dict(pending.mine, files=pending.files))
-    if comm.get_rank() == 0:
-        manifest = _manifest(pending.meta, every)
-        (pending.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        with open(pending.tmp / MANIFEST, "rb+") as f:
-            os.fsync(f.fileno())
-        commit_dir(pending.tmp, pending.root / pending.tag)
-        if pending.save_latest:
-            atomic_write_text(pending.root / LATEST, pending.tag)
-        keep_last = engine.config.checkpoint.keep_last
-        if keep_last is not None:
-            _retain(pending.root, keep_last, keep=pending.tag)
-    comm.barrier()
+    except BaseException:
+        pending.abort()
+        raise
+    if pending.lock is not None:
+        pending.lock.release()
     log_rank0("saved checkpoint %s", pending.root / pending.tag)
+
+
+def _publish(engine: Engine, pending: PendingSave, every: list[dict[str, Any]]) -> None:
+    """Rank 0: the steps that make the checkpoint visible, each atomic (``commit``)."""
+    assert pending.meta is not None
+    root, tag = pending.root, pending.tag
+    write_manifest(pending.tmp / MANIFEST, _manifest(pending.meta, every))
+    commit.replace_dir(pending.tmp, root / tag, pending.nonce)
+    if pending.save_latest:
+        commit.write_latest(root, tag, pending.nonce)
+    keep_last = engine.config.checkpoint.keep_last
+    if keep_last is not None:
+        keep = {tag}
+        try:
+            named = commit.read_latest(root)
+        except CheckpointError:
+            named = None
+        if named is not None:
+            keep.add(named)  # never delete what ``latest`` names (save_latest=False saves)
+        try:
+            commit.retain(root, keep_last, keep, pending.nonce)
+        except OSError as e:  # the checkpoint is committed; the next save retries
+            log_rank0(
+                "save_checkpoint: keep_last could not delete old tags: %s", e, level=logging.WARNING
+            )
 
 
 def _engine_meta(engine: Engine, world: int) -> dict[str, Any]:
@@ -296,19 +390,6 @@ def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, An
     )
 
 
-def _retain(root: Path, keep_last: int, keep: str) -> None:
-    tags = [
-        d
-        for d in root.iterdir()
-        if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file()
-    ]
-    tags.sort(key=lambda d: (d / MANIFEST).stat().st_mtime)
-    for old in tags[:-keep_last]:
-        if old.name != keep:
-            shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(root)
-
-
 def load_checkpoint(
     engine: Engine,
     load_dir: str | os.PathLike[str],
@@ -318,20 +399,70 @@ def load_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Load ``load_dir/tag`` (default: the tag in ``latest``) into ``engine``, resharding."""
+    """Load ``load_dir/tag`` (default: the tag in ``latest``) into ``engine``, resharding.
+
+    Returns ``(None, None)`` when ``tag`` is None and there is no ``latest``. Every file is
+    checked against the manifest (each rank checks a share) before anything is restored.
+
+    Raises:
+        CheckpointError: on every rank when any rank fails, naming the failing ranks and
+            what is wrong (a missing tag with the tags present, a damaged or edited
+            manifest, a corrupted file).
+    """
     finish_save(engine)
     if not load_module_strict:
         raise ValueError("load_module_strict=False is not supported yet: pass True")
     _rendezvous(engine, "load_checkpoint")
     root = Path(load_dir)
-    if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            log_rank0("load_checkpoint: %s has no '%s' file; nothing loaded", root, LATEST)
-            return None, None
-        tag = latest.read_text().strip()
-    tag = _agree(engine, str(tag), "tag")
-    reader = CheckpointReader(root / tag)
+    if tag is not None:
+        tag = _agree(engine, str(tag), "tag")
+    directory = on_rank0(f"load_checkpoint({root})", lambda: commit.find_checkpoint(root, tag))
+    if directory is None:
+        tags = commit.list_tags(root)
+        log_rank0(
+            "load_checkpoint: %s has no '%s' file; nothing loaded%s",
+            root,
+            LATEST,
+            f" (tags present: {tags}: pass tag= to load one)" if tags else "",
+        )
+        return None, None
+    where = f"load_checkpoint({directory})"
+    rank, world = comm.get_rank(), comm.get_world_size()
+
+    def open_and_verify() -> CheckpointReader:
+        reader = CheckpointReader(directory)
+        reader.verify_share(rank, world)
+        return reader
+
+    reader = on_every_rank(f"{where}: verifying the files", open_and_verify)
+    reader.trust_all()
+    try:
+        client_state = on_every_rank(
+            f"{where}: restoring the state",
+            lambda: _restore(
+                engine, reader, load_optimizer_states, load_lr_scheduler_states, load_module_only
+            ),
+        )
+    finally:
+        reader.close()
+    m = reader.manifest
+    log_rank0(
+        "loaded checkpoint %s (saved at world %d, stage %d)",
+        directory,
+        m["world_size"],
+        m["zero_stage"],
+    )
+    return str(directory), client_state
+
+
+def _restore(
+    engine: Engine,
+    reader: CheckpointReader,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> dict[str, Any]:
+    """Put the checkpoint into ``engine``; returns its ``client_state``."""
     m = reader.manifest
     opt = engine.optimizer
     full = not load_module_only
@@ -353,15 +484,8 @@ def load_checkpoint(
         engine.micro_steps = m["micro_steps"]
         engine.skipped_steps = m["skipped_steps"]
         _restore_rank_state(engine, reader, m)
-    reader.close()
-    comm.barrier()
-    log_rank0(
-        "loaded checkpoint %s (saved at world %d, stage %d)",
-        root / tag,
-        m["world_size"],
-        m["zero_stage"],
-    )
-    return str(root / tag), extra["client_state"]
+    client_state: dict[str, Any] = extra["client_state"]
+    return client_state
 
 
 def _restore_rank_state(engine: Engine, reader: CheckpointReader, m: dict[str, Any]) -> None:

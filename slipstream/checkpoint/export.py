@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from slipstream.checkpoint.commit import find_checkpoint
 from slipstream.checkpoint.format import (
     CheckpointError,
     CheckpointReader,
@@ -45,17 +46,18 @@ def parse_size(size: int | str) -> int:
 
 
 def resolve_tag_dir(path: str | os.PathLike[str]) -> Path:
-    """A tag directory, or a save directory whose ``latest`` names one."""
+    """A tag directory, or a save directory whose ``latest`` names one (read only: a tag a
+    crashed save left missing is read from its ``.old`` copy in place)."""
     p = Path(path)
     if (p / "manifest.json").is_file():
         return p
-    latest = p / "latest"
-    if latest.is_file():
-        return p / latest.read_text().strip()
-    raise CheckpointError(
-        f"{p} is neither a checkpoint tag directory (no manifest.json) nor a save directory "
-        "with a 'latest' file: pass the directory save_checkpoint wrote"
-    )
+    found = find_checkpoint(p, None, recover=False) if p.is_dir() else None
+    if found is None:
+        raise CheckpointError(
+            f"{p} is neither a checkpoint tag directory (no manifest.json) nor a save directory "
+            "with a 'latest' file: pass the directory save_checkpoint wrote"
+        )
+    return found
 
 
 def convert_checkpoint(

@@ -17,16 +17,17 @@ size can read any range of it without knowing how the writer was sharded (reshar
 conversion step). Safetensors files are read lazily: a range costs only its bytes.
 
 Saves are atomic: everything is written into a hidden temporary directory and fsynced; each
-rank reports its files' sizes and CRC-32s; rank 0 writes the manifest and renames the directory
-into place; ``latest`` is replaced by rename as well. A crash at any point
-leaves the previous checkpoint and ``latest`` as they were.
+rank reports its files' sizes and CRC-32s; rank 0 writes the manifest (with a SHA-256 of its
+own content, so an edited or damaged manifest is refused) and renames the directory into place;
+``latest`` is replaced by rename as well (``commit`` has the steps and the crash recovery).
+A crash at any point leaves the previous checkpoint and ``latest`` loadable.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 import struct
 import zlib
 from collections.abc import Iterable
@@ -37,20 +38,27 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from slipstream.checkpoint import _faults
+
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointReader",
     "Piece",
     "atomic_write_text",
-    "commit_dir",
     "file_digest",
     "fsync_dir",
+    "read_manifest",
+    "write_manifest",
     "write_pieces",
 ]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+MANIFEST_DIGEST = "manifest_sha256"
+"""The manifest's key for the SHA-256 of the rest of it (absent in checkpoints written before
+it was added: those load unchecked)."""
+_REQUIRED = ("tensors", "pieces", "files")
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -109,6 +117,7 @@ def write_pieces(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int
     """Write ``tensors`` (1-D pieces) to one safetensors file durably; returns (size, crc)."""
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
     _fsync_file(path)
+    _faults.point(f"wrote.{path.name}")
     return file_digest(path)
 
 
@@ -116,6 +125,7 @@ def write_object(path: Path, obj: Any) -> tuple[int, int]:
     """``torch.save`` durably; returns (size, crc)."""
     torch.save(obj, path)
     _fsync_file(path)
+    _faults.point(f"wrote.{path.name}")
     return file_digest(path)
 
 
@@ -129,17 +139,53 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def commit_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written checkpoint directory into place (replacing an older one)."""
-    fsync_dir(tmp)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _manifest_sha256(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest without its digest, in a canonical form (sorted keys, compact)
+    that reading the JSON back reproduces exactly."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest`` with its own SHA-256 durably (JSON round trip first, so the digest
+    covers what a reader parses: int keys become strings, tuples lists)."""
+    parsed = json.loads(json.dumps(manifest))
+    parsed[MANIFEST_DIGEST] = _manifest_sha256(parsed)
+    path.write_text(json.dumps(parsed, indent=1))
+    _fsync_file(path)
+    _faults.point("manifest.written")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Parse and check a manifest; every failure is a ``CheckpointError`` naming ``path``."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {path.parent} is not a complete checkpoint")
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is damaged (not valid UTF-8 JSON: {e}); refusing to load {path.parent}"
+        ) from e
+    if not isinstance(manifest, dict):
+        raise CheckpointError(
+            f"{path} is damaged: it holds a {type(manifest).__name__}, not an object"
+        )
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format_version {version!r}; this slipstream reads version {FORMAT_VERSION}"
+        )
+    want = manifest.get(MANIFEST_DIGEST)
+    if want is not None and want != _manifest_sha256(manifest):
+        raise CheckpointError(
+            f"{path} was edited or damaged after it was written (its content no longer matches "
+            f"its {MANIFEST_DIGEST}); refusing to load {path.parent}"
+        )
+    missing = [k for k in _REQUIRED if k not in manifest]
+    if missing:
+        raise CheckpointError(f"{path} is damaged: it has no {missing}")
+    return manifest
 
 
 class CheckpointReader:
@@ -151,23 +197,9 @@ class CheckpointReader:
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = Path(directory)
-        path = self.dir / MANIFEST
-        if not path.is_file():
-            raise CheckpointError(
-                f"{self.dir} is not a complete slipstream checkpoint: {MANIFEST} is missing "
-                "(an interrupted save leaves no tag directory, so this is not one of ours or "
-                "it was damaged)"
-            )
-        try:
-            self.manifest: dict[str, Any] = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e}): the file is corrupted") from e
-        version = self.manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path} has format_version {version!r}; this slipstream reads version "
-                f"{FORMAT_VERSION}"
-            )
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        self.manifest: dict[str, Any] = read_manifest(self.dir / MANIFEST)
         self.tensors: dict[str, dict[str, Any]] = self.manifest["tensors"]
         self.pieces: dict[str, list[Piece]] = {}
         for entry in self.manifest["pieces"]:
@@ -202,6 +234,22 @@ class CheckpointReader:
             )
         self._verified.add(name)
         return path
+
+    def verify_share(self, rank: int, world: int) -> None:
+        """Verify this rank's share of the files (``rank-XXXXX.*`` by rank ``X % world``, the
+        others round robin), so a load checks each file once in all; then ``trust_all``."""
+        others = 0
+        for name in sorted(self.manifest["files"]):
+            if name.startswith("rank-") and name[5:10].isdigit():
+                owner = int(name[5:10]) % world
+            else:
+                owner, others = others % world, others + 1
+            if owner == rank:
+                self.verify(name)
+
+    def trust_all(self) -> None:
+        """Every rank verified its share without error: skip the checks on first read."""
+        self._verified.update(self.manifest["files"])
 
     def load_object(self, name: str) -> Any:
         """A ``torch.save``d object of this checkpoint (trusted: written by slipstream)."""

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from slipstream.checkpoint import _faults
 from slipstream.checkpoint.format import CheckpointError, CheckpointReader, dtype_name
 from slipstream.zero.gathered import GatheredParameters
 from slipstream.zero.optimizer import ZeroOptimizer
@@ -219,20 +221,59 @@ def restore_state(
     opt: ZeroOptimizer | None,
     load_optimizer_states: bool,
 ) -> None:
-    """Fill parameters, masters and (optionally) optimizer states from ``reader``."""
-    check_compatible(reader, module, opt)
+    """Fill parameters, masters and (optionally) optimizer states from ``reader``.
+
+    A step that fails on this rank only (a read error, a model that does not fit this
+    pipeline stage) must not make it skip the collectives that follow (the other ranks would
+    wait in them): after the first failure the remaining reads are skipped, the collectives
+    still run, and the error is raised at the end.
+    """
+    failed: list[Exception] = []
+
+    def attempt(step: Callable[[], None]) -> None:
+        if failed:
+            return
+        try:
+            step()
+        except Exception as e:
+            failed.append(e)
+
+    attempt(lambda: check_compatible(reader, module, opt))
     frozen = _frozen(module, opt)
     with GatheredParameters([p for _, p in frozen], modifier_rank=0):
-        for name, p in frozen:
-            name = checkpoint_name(name, p)
-            reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
+        attempt(lambda: _read_frozen(reader, frozen))
+    attempt(lambda: _read_buffers(reader, module))
+    if opt is not None:
+        stage3 = isinstance(opt.store, ShardedStore)
+        attempt(lambda: _restore_buckets(reader, opt, stage3, load_optimizer_states))
+        attempt(lambda: _faults.point("load.restored"))
+        if stage3:
+            assert isinstance(opt.store, ShardedStore)
+            works = [opt.store.publish(b) for b in range(len(opt.buckets))]
+            for w in works:
+                if w is not None:
+                    w.wait()  # type: ignore[attr-defined]
+    if failed:
+        raise failed[0]
+
+
+def _read_frozen(reader: CheckpointReader, frozen: list[tuple[str, nn.Parameter]]) -> None:
+    for name, p in frozen:
+        name = checkpoint_name(name, p)
+        reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
+
+
+def _read_buffers(reader: CheckpointReader, module: nn.Module) -> None:
     buffers = _buffers(module)
     for name in reader.names("buffer"):
         if name in buffers:
             buffers[name].copy_(reader.read_full(f"buffer/{name}"))
-    if opt is None:
-        return
-    stage3 = isinstance(opt.store, ShardedStore)
+
+
+def _restore_buckets(
+    reader: CheckpointReader, opt: ZeroOptimizer, stage3: bool, load_optimizer_states: bool
+) -> None:
+    """Parameters, masters and optimizer states of every bucket: reads only, no collectives."""
     scalars: dict[str, dict[str, Any]] = reader.manifest.get("optim_scalars", {})
     keys: list[str] = reader.manifest.get("optim_keys", [])
     for b, bucket in enumerate(opt.buckets):
@@ -258,12 +299,6 @@ def restore_state(
             _restore_optimizer_states(reader, opt, b, keys, scalars)
         if opt.swapper is not None:
             opt._swap_out(b)
-    if stage3:
-        assert isinstance(opt.store, ShardedStore)
-        works = [opt.store.publish(b) for b in range(len(opt.buckets))]
-        for w in works:
-            if w is not None:
-                w.wait()  # type: ignore[attr-defined]
 
 
 def _restore_optimizer_states(

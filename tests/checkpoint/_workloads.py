@@ -167,7 +167,7 @@ def failures(root: str) -> dict[str, Any]:
     api.write_object = crash  # type: ignore[assignment]
     try:
         engine.save_checkpoint(root, tag="bad")
-    except OSError as e:
+    except CheckpointError as e:
         out["crash"] = str(e)
     finally:
         api.write_object = real  # type: ignore[assignment]
