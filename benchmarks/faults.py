@@ -6,6 +6,7 @@ Usage::
     python benchmarks/faults.py --list                # case names
     python benchmarks/faults.py --cases 'reuse-kill-2renames:commit.moved_old,empty-latest'
     python benchmarks/faults.py --cases 'save-kill*' --json faults.json
+    FAULTS_EXIT_REPEATS=10 python benchmarks/faults.py --cases exit-codes
 
 Each case is one world of fresh processes (``--world`` 1 or 2 ranks, gloo on 127.0.0.1, a
 tiny GPT at ZeRO-1, or ZeRO-3 where a rank-local failure must get past collectives) that
@@ -483,6 +484,17 @@ _simple(
     ["train", "save:A=old", "damage:latest=gone", "load"],
     "load",
     None,
+)
+
+
+# --------------------------------------------------------------------------- runtime rows
+
+# The launcher, killed and stalled ranks, NaN losses, config types, released ZeRO-3
+# parameters and exit codes (benchmarks/_faults_runtime.py).
+from benchmarks._faults_runtime import register_runtime  # noqa: E402
+
+register_runtime(
+    register, FaultCase, CaseResult, repeats=int(os.environ.get("FAULTS_EXIT_REPEATS", "50"))
 )
 
 

@@ -15,3 +15,13 @@ def test_fault_matrix_sigkill_between_the_renames_of_a_tag_reuse_loses_nothing()
     assert row.case == "reuse-kill-2renames:commit.moved_old" and row.case in table
     assert row.ok and not row.data_lost and row.seconds is None, table
     assert row.outcome == "killed; latest loads A (old)", table
+
+
+def test_fault_matrix_runtime_rows_are_registered_and_the_config_row_runs():
+    """The runtime rows (launcher, ranks, NaN, config, ZeRO-3, exit codes) are in the matrix;
+    the config-type row (one plain process, no launcher) gives a clean error within a second."""
+    assert {"launcher-sigkill", "rank-sigkill", "stalled-rank", "nan-loss-fp32"} <= set(CASES)
+    assert {"config-type", "zero3-released", "exit-codes"} <= set(CASES)
+    (row,) = run_cases(["config-type"], timeout_s=120)
+    assert row.ok and row.seconds is not None and row.seconds < 1.0, format_table([row])
+    assert "zero_optimization.stage" in row.outcome
