@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,17 +42,33 @@ def _entry(
         dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+def run_world(
+    fn: Callable[..., Any], world: int, *args: Any, timeout_s: float | None = None
+) -> list[Any]:
     """Spawn ``world`` processes running ``fn(*args)`` under gloo; return per-rank results.
 
-    ``fn`` must be importable (a module-level function of a test module).
+    ``fn`` must be importable (a module-level function of a test module). A world still
+    running after ``timeout_s`` (default ``SLIPSTREAM_TEST_WORLD_TIMEOUT`` or 600 s) is
+    killed and the test fails with a ``TimeoutError``: a hang never blocks the suite.
     """
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("SLIPSTREAM_TEST_WORLD_TIMEOUT", "600"))
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(
+        ctx = mp.start_processes(
             _entry,
             args=(fn, world, _free_port(), outdir, args),
             nprocs=world,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    p.kill()
+                    p.join()
+                raise TimeoutError(
+                    f"{fn.__qualname__} on {world} ranks did not finish within {timeout_s:.0f} s "
+                    "(killed; SLIPSTREAM_TEST_WORLD_TIMEOUT sets the limit)"
+                )
         return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
