@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,14 +24,15 @@ def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_gpt_under_init_is_partitioned_with_eager_weights_bit_for_bit(tie):
-    """Without torch.distributed, Init runs as a world of one (no process group made)."""
+    """In one process, Init partitions over a world of one: eager's weights, bit for bit."""
     cfg = GPTConfig.preset("tiny", tie_embeddings=tie)
     torch.manual_seed(3)
     eager = GPT(cfg)
     torch.manual_seed(3)
+    had_group = dist.is_initialized()  # earlier tests in this process may have made one
     with Init() as ctx:
         model = GPT(cfg)
-    assert not dist.is_initialized()
+    assert dist.is_initialized() == had_group
     for (name, e), p in zip(eager.named_parameters(), model.parameters()):
         assert p.shape == (0,) and p.ds_shape == e.shape and p.ds_numel == e.numel(), name
         assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.ds_tensor.numel() == e.numel()
@@ -41,6 +46,27 @@ def test_gpt_under_init_is_partitioned_with_eager_weights_bit_for_bit(tie):
     x = torch.randint(0, 256, (2, 8))
     with GatheredParameters(list(model.parameters())):
         assert torch.equal(eager(x, x), model(x, x))
+
+
+def test_init_without_torch_distributed_makes_no_process_group():
+    """A plain single process (no launcher, no group): Init runs as a world of one and
+    creates no process group (a fresh interpreter: tests before this one may have made one)."""
+    code = (
+        "import torch.distributed as dist\n"
+        "from slipstream.models import GPT, GPTConfig\n"
+        "from slipstream.zero import Init\n"
+        "with Init():\n"
+        "    model = GPT(GPTConfig.preset('tiny'))\n"
+        "assert not dist.is_initialized()\n"
+        "print('world', next(model.parameters()).ds_tensor.numel() == "
+        "next(model.parameters()).ds_numel)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "world True"
 
 
 def test_materialize_keeps_working_on_a_meta_model():
