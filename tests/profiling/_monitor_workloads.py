@@ -73,9 +73,32 @@ def train(out_dir: str, steps: int, *, fp16: bool = False, gas: int = 2) -> dict
     }
 
 
+def pipeline_train(out_dir: str, steps: int) -> list[float]:
+    """Two pipeline stages with a CSV monitor: ``train_batch``'s losses (every rank)."""
+    from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers
+    from slipstream.pipe import PipelineModule
+    from tests.parallel._pipe_workloads import MICRO, gpt_config, micro_iter
+
+    torch.manual_seed(0)
+    module = PipelineModule(gpt_pipeline_layers(gpt_config()), num_stages=2, loss_fn=gpt_loss)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "pipe"},
+    }
+    engine, *_ = slipstream.initialize(model=module, config=config)
+    it = micro_iter(2, 1, 0)
+    losses = [engine.train_batch(it).item() for _ in range(steps)]
+    engine.destroy()
+    return losses
+
+
 def train_and_exit(out_dir: str, steps: int) -> dict[str, Any]:
-    """A rank of the 2-rank run: train and return without ``engine.destroy()`` (the
-    monitors must still be flushed when the process exits)."""
+    """A rank of the 2-rank run: a pipeline run, then a data-parallel run that returns
+    without ``engine.destroy()`` (its monitors must still be flushed when the process exits)."""
+    pipe_losses = pipeline_train(out_dir, steps)
     result = train(out_dir, steps)
     del result["engine"]
+    result["pipe_losses"] = pipe_losses
     return result

@@ -77,7 +77,8 @@ def test_engine_writes_deepspeed_events_fp16(tmp_path: Path) -> None:
 
 def test_two_ranks_only_rank0_writes_and_flushes_at_exit(tmp_path: Path) -> None:
     """Both ranks point at the same directory: one event file with rank 0's events once,
-    all on disk although the ranks exit without engine.destroy()."""
+    all on disk although the ranks exit without engine.destroy(); a pipeline engine logs its
+    batch loss."""
     results = run_world(w.train_and_exit, 2, str(tmp_path), 2)
     assert [(r["rank"], r["enabled"], r["active"]) for r in results] == [
         (0, True, True),
@@ -86,6 +87,12 @@ def test_two_ranks_only_rank0_writes_and_flushes_at_exit(tmp_path: Path) -> None
     expected = results[0]["expected"]
     assert [s for s, _ in expected["Train/Samples/lr"]] == [8, 16]  # micro 2 x gas 2 x dp 2
     _check_files(tmp_path, expected)
+    # The pipeline engine logs train_batch's loss (the same on every stage) at 4, 8 samples.
+    assert results[0]["pipe_losses"] == results[1]["pipe_losses"]
+    header, rows = _read_csv(tmp_path / "pipe")["Train_Samples_train_loss.csv"]
+    assert header == ["step", "train_loss"]
+    assert [s for s, _ in rows] == [4, 8]
+    assert [v for _, v in rows] == pytest.approx(results[0]["pipe_losses"], rel=1e-6)
 
 
 class _Gate:
