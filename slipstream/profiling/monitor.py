@@ -3,8 +3,9 @@
 
 Only global rank 0 writes. Writing never blocks the training step: ``write_events`` only
 queues the events (a device tensor value is copied to the host asynchronously), and a
-background thread turns values into numbers and hands them to the backends, so file I/O
-and the wait for the device happen off the training thread. ``flush()`` waits for every
+background thread, once per ``write_interval`` (1 s), turns the queued values into numbers
+and hands them to the backends in one batch, so file I/O and the wait for the device happen
+off the training thread. ``flush()`` waits for every
 queued event to reach the backends; ``close()`` (called by ``engine.destroy()`` and at
 interpreter exit) flushes and closes them.
 """
@@ -87,8 +88,8 @@ class TensorBoardMonitor:
     def write(self, events: Sequence[tuple[str, float, int]]) -> None:
         for name, value, step in events:
             self.writer.add_scalar(name, value, step)
-        # Each batch is flushed (as DeepSpeed does): events survive a crash, and this runs
-        # on the writer thread, so the flush costs the training step nothing.
+        # Each batch is flushed (DeepSpeed flushes every call): events survive a crash, and
+        # this runs on the writer thread, so the flush costs the training step nothing.
         self.writer.flush()
 
     def flush(self) -> None:
@@ -261,6 +262,7 @@ class MonitorMaster:
         wandb: WandbConfig | None = None,
         comet: CometConfig | None = None,
         rank: int | None = None,
+        write_interval: float = 1.0,
     ) -> None:
         configs = [c for c in (tensorboard, csv_monitor, wandb, comet) if c is not None]
         self.enabled = any(c.enabled for c in configs)
@@ -269,6 +271,9 @@ class MonitorMaster:
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue[_Pending | threading.Event | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # cuts the writer's wait short for flush/close
+        self.write_interval = write_interval
+        """Seconds between the writer's batches: at most this much is lost to a crash."""
         if not self.enabled or (global_rank() if rank is None else rank) != 0:
             return
         if tensorboard is not None and tensorboard.enabled:
@@ -314,6 +319,7 @@ class MonitorMaster:
             return
         done = threading.Event()
         self._queue.put(done)
+        self._wake.set()
         done.wait()
         self._raise_writer_error()
 
@@ -323,6 +329,7 @@ class MonitorMaster:
             return
         self._closed = True
         self._queue.put(None)
+        self._wake.set()
         self._thread.join()
         self._raise_writer_error()
 
@@ -334,26 +341,50 @@ class MonitorMaster:
             )
 
     def _run(self) -> None:
-        """Writer thread: resolve values, write, flush on request, close on ``None``."""
+        """Writer thread: every ``write_interval`` seconds (or at once on flush/close), write
+        all queued events as one batch, then serve the flush/close requests among them.
+
+        Batching keeps the writer's Python work (and so its share of the GIL) to one burst
+        per interval instead of one per step, which matters for short steps.
+        """
         while True:
-            item = self._queue.get()
-            try:
-                if isinstance(item, _Pending):
-                    events = item.resolve()
-                    for backend in self.backends:
-                        backend.write(events)
-                else:
-                    for backend in self.backends:
-                        if item is None:
-                            backend.close()
-                        else:
-                            backend.flush()
-            except BaseException as exc:  # surfaced on the training thread, never lost
-                self._error = exc
-            if isinstance(item, threading.Event):
+            items = [self._queue.get()]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            control = [i for i in items if not isinstance(i, _Pending)]
+            self._guarded(self._write, [i for i in items if isinstance(i, _Pending)])
+            for item in control:
+                if item is None:
+                    self._guarded(self._close_backends)
+                    return
+                self._guarded(self._flush_backends)
                 item.set()
-            elif item is None:
-                return
+            if not control:
+                self._wake.wait(self.write_interval)
+            self._wake.clear()
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # surfaced on the training thread, never lost
+            self._error = exc
+
+    def _write(self, pending: list[_Pending]) -> None:
+        if pending:
+            events = [e for p in pending for e in p.resolve()]
+            for backend in self.backends:
+                backend.write(events)
+
+    def _flush_backends(self) -> None:
+        for backend in self.backends:
+            backend.flush()
+
+    def _close_backends(self) -> None:
+        for backend in self.backends:
+            backend.close()
 
 
 def _close_at_exit(monitor: MonitorMaster) -> None:
