@@ -194,13 +194,13 @@ class CometMonitor:
 class _Pending:
     """Events on their way to the writer thread; device values are in flight to the host."""
 
-    def __init__(self, events: list[Event], copied: torch.cuda.Event | None) -> None:
+    def __init__(self, events: list[Event], copied: list[torch.cuda.Event]) -> None:
         self.events = events
         self.copied = copied
 
     def resolve(self) -> list[tuple[str, float, int]]:
-        if self.copied is not None:
-            self.copied.synchronize()  # waits on the writer thread, not the training thread
+        for event in self.copied:
+            event.synchronize()  # waits on the writer thread, not the training thread
         return [(name, _number(value), step) for name, value, step in self.events]
 
 
@@ -233,18 +233,22 @@ def _check_event(event: Any, index: int) -> Event:
 
 
 def _to_host(events: list[Event]) -> _Pending:
-    """Start copying device tensor values to the host without waiting for them."""
-    copied: torch.cuda.Event | None = None
+    """Snapshot tensor values: a host copy now, or a device-to-host copy that is only
+    queued on the tensor's stream (an event marks its completion for the writer thread)."""
+    copied: list[torch.cuda.Event] = []
     out: list[Event] = []
     for name, value, step in events:
         if isinstance(value, torch.Tensor):
             value = value.detach().reshape(())
             if value.is_cuda:
+                device = value.device
                 value = value.to("cpu", non_blocking=True)
-                copied = copied or torch.cuda.Event()
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(device))
+                copied.append(done)
+            else:
+                value = value.clone()  # a later in-place update must not change the event
         out.append((name, value, step))
-    if copied is not None:
-        copied.record()  # after every copy above was queued on the current stream
     return _Pending(out, copied)
 
 
@@ -272,6 +276,7 @@ class MonitorMaster:
         self._queue: queue.SimpleQueue[_Pending | threading.Event | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()  # cuts the writer's wait short for flush/close
+        self._pid = os.getpid()  # a forked child (e.g. a DataLoader worker) must not write
         self.write_interval = write_interval
         """Seconds between the writer's batches: at most this much is lost to a crash."""
         if not self.enabled or (global_rank() if rank is None else rank) != 0:
@@ -296,7 +301,7 @@ class MonitorMaster:
     @property
     def active(self) -> bool:
         """True where events are actually written (rank 0 with a monitor enabled)."""
-        return self._thread is not None and not self._closed
+        return self._thread is not None and not self._closed and os.getpid() == self._pid
 
     def write_events(self, event_list: Iterable[Event]) -> None:
         """Queue ``(name, value, step)`` events for every enabled monitor (rank 0 only).
@@ -304,7 +309,7 @@ class MonitorMaster:
         ``value`` is a number or a one-element tensor; a device tensor is copied to the host
         asynchronously, so this never waits for the device.
         """
-        if self._thread is None:
+        if self._thread is None or os.getpid() != self._pid:
             return
         self._raise_writer_error()
         if self._closed:
@@ -315,7 +320,7 @@ class MonitorMaster:
 
     def flush(self) -> None:
         """Wait until every queued event is written, then flush the backends."""
-        if self._thread is None or self._closed:
+        if not self.active:
             return
         done = threading.Event()
         self._queue.put(done)
@@ -325,7 +330,7 @@ class MonitorMaster:
 
     def close(self) -> None:
         """Flush and close every monitor; later calls do nothing."""
-        if self._thread is None or self._closed:
+        if not self.active or self._thread is None:
             return
         self._closed = True
         self._queue.put(None)

@@ -305,9 +305,9 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         self.wait_for_checkpoint()
-        self.monitor.close()
         if self.optimizer is not None:
             self.optimizer.destroy()
+        self.monitor.close()  # last: a writer error it raises leaves nothing else undone
 
     # ---------------------------------------------------------------------- helpers
     def _require_optimizer(self) -> ZeroOptimizer:

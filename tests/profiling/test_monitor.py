@@ -117,8 +117,10 @@ def test_write_events_does_not_wait_for_the_writer(tmp_path: Path) -> None:
     monitor = MonitorMaster(csv_monitor=CSVMonitorConfig(enabled=True, output_path=str(tmp_path)))
     gate = _Gate()
     monitor.backends.append(gate)
-    monitor.write_events([("a", torch.tensor(1.5), 1)])
+    value = torch.tensor(1.5)
+    monitor.write_events([("a", value, 1)])
     monitor.write_events([("a", 2.5, 2)])  # returns although the first batch is stuck
+    value.add_(10.0)  # the event holds the value at write time
     assert gate.seen == []
     gate.release.set()
     monitor.close()
