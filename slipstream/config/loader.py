@@ -228,6 +228,13 @@ def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
         del raw[key]
 
 
+def _drop_null_monitors(raw: dict[str, Any]) -> None:
+    """``"wandb": null`` (as config generators write an unused block) means the default: off."""
+    for key in ("tensorboard", "csv_monitor", "wandb", "comet"):
+        if key in raw and raw[key] is None:
+            del raw[key]
+
+
 _BLOCKS_WITHOUT_ENABLED = frozenset(
     {
         "checkpoint",
@@ -440,6 +447,7 @@ def parse_config(
     ctx = auto or AutoContext()
     _apply_aliases(raw)
     _strip_not_yet_implemented(raw)
+    _drop_null_monitors(raw)
     batch = {k: _batch_value(raw, k) for k in _BATCH_KEYS}
     _resolve_auto(raw, ctx)
     cfg: SlipstreamConfig = validate_model(SlipstreamConfig, raw, "")

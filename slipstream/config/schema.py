@@ -7,6 +7,12 @@ from typing import Any, Literal
 from pydantic import Field
 
 from slipstream.config._base import StrictModel
+from slipstream.config.monitor import (
+    CometConfig,
+    CSVMonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from slipstream.config.parallel import (
     ActivationCheckpointingConfig,
     PipelineConfig,
@@ -82,10 +88,6 @@ class CheckpointConfig(StrictModel):
 NOT_YET_IMPLEMENTED: dict[str, str] = {
     "hybrid_engine": "the RLHF hybrid engine is not implemented yet",
     "flops_profiler": "the FLOPs profiler is not implemented yet",
-    "tensorboard": "monitors are not implemented yet",
-    "wandb": "monitors are not implemented yet",
-    "csv_monitor": "monitors are not implemented yet",
-    "comet": "monitors are not implemented yet",
     "amp": "Apex AMP is not supported; use bf16 or fp16",
     "torch_autocast": "torch_autocast is not implemented yet; use bf16 or fp16",
     "compile": "DeepCompile options are not implemented yet",
@@ -157,6 +159,14 @@ class SlipstreamConfig(StrictModel):
     """Time forward, backward and step and log them every ``steps_per_print`` steps."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication counters."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor (rank 0 writes ``Train/Samples/*`` scalars)."""
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    """CSV monitor: one file per scalar."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor."""
+    comet: CometConfig = Field(default_factory=CometConfig)
+    """Comet ML monitor."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint behaviour: tag validation, retention, the rank-arrival timeout."""
     seed: int | None = None

@@ -19,6 +19,7 @@ from torch import nn
 from slipstream._logging import log_rank0, logger
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
+from slipstream.profiling.monitor import MonitorMaster
 from slipstream.runtime.precision import (
     NonFiniteGradientError,
     nonfinite_error_message,
@@ -64,6 +65,11 @@ class Engine(nn.Module):
         self._boundary_override: bool | None = None
         self._last_loss: torch.Tensor | None = None
         self._timers = StepTimers(config.wall_clock_breakdown, device)
+        self.monitor = MonitorMaster.from_config(config)
+        """DeepSpeed's ``engine.monitor``: ``write_events([(name, value, step), ...])`` sends
+        user scalars to the configured monitors (rank 0 only)."""
+        self._window_loss: torch.Tensor | None = None  # sum of this window's micro losses
+        self._window_micro = 0
         self._last_print = time.perf_counter()
         comm.comm_counters.verbose = config.comms_logger.verbose
         if not config.comms_logger.prof_all:
@@ -159,6 +165,8 @@ class Engine(nn.Module):
                 "it first (e.g. loss.mean())"
             )
         self._last_loss = loss.detach()
+        if self.monitor.active:
+            self._accumulate_loss(self._last_loss)
         scaled = self.scale(loss)
         if not scale_wrt_gas and self.config.managed_gradient_accumulation:
             scaled = scaled * self.gradient_accumulation_steps()
@@ -187,6 +195,8 @@ class Engine(nn.Module):
                 error = self._report_skipped_step(opt)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            if self.monitor.active:
+                self._write_monitor()
             self._maybe_print()
         self.micro_steps += 1
         self._boundary_override = None
@@ -297,6 +307,7 @@ class Engine(nn.Module):
         self.wait_for_checkpoint()
         if self.optimizer is not None:
             self.optimizer.destroy()
+        self.monitor.close()  # last: a writer error it raises leaves nothing else undone
 
     # ---------------------------------------------------------------------- helpers
     def _require_optimizer(self) -> ZeroOptimizer:
@@ -326,6 +337,29 @@ class Engine(nn.Module):
             return NonFiniteGradientError(nonfinite_error_message(step, norm))
         log_rank0(skipped_step_message(step, norm, opt.loss_scaler), level=logging.WARNING)
         return None
+
+    def _accumulate_loss(self, loss: torch.Tensor) -> None:
+        """Sum the micro-batch losses of the accumulation window on the device (no sync)."""
+        loss = loss.float()
+        self._window_loss = loss if self._window_loss is None else self._window_loss + loss
+        self._window_micro += 1
+
+    def _write_monitor(self) -> None:
+        """DeepSpeed's per-step events at ``global_samples`` (after this step): the mean loss
+        of the window, the lr of the first param group and, with fp16, the loss scale.
+
+        The loss stays a device tensor: the monitor copies it to the host asynchronously.
+        """
+        step = self.global_samples
+        events: list[tuple[str, Any, int]] = []
+        if self._window_loss is not None:
+            mean = self._window_loss / self._window_micro
+            events.append(("Train/Samples/train_loss", mean, step))
+        events.append(("Train/Samples/lr", self.get_lr()[0], step))
+        if self.fp16_enabled():
+            events.append(("Train/Samples/loss_scale", self._require_optimizer().loss_scale, step))
+        self._window_loss, self._window_micro = None, 0
+        self.monitor.write_events(events)
 
     def _maybe_print(self) -> None:
         every = self.config.steps_per_print

@@ -368,14 +368,14 @@ def test_overlap_property(overlap_comm: bool | None, expected: bool) -> None:
 
 
 def test_example_zero1_fp16() -> None:
-    """The ZeRO-1 fp16 example: dynamic loss scaling, disabled tensorboard dropped."""
+    """The ZeRO-1 fp16 example: dynamic loss scaling, a disabled tensorboard block kept."""
     cfg = parse_config(EXAMPLES / "zero1_fp16.json", dp_world_size=4)
     assert cfg.batch == (32, 4, 2)
     assert cfg.fp16.enabled and cfg.fp16.loss_scale == 0.0 and cfg.fp16.initial_scale_power == 16
     assert cfg.zero_optimization.stage == 1
     assert cfg.optimizer is not None and cfg.optimizer.type == "Adam"
     assert cfg.scheduler is not None and cfg.scheduler.params["warmup_num_steps"] == 500
-    assert "tensorboard" not in cfg.model_dump()
+    assert not cfg.tensorboard.enabled and cfg.tensorboard.job_name == "zero1_fp16"
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])

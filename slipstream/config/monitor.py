@@ -1,0 +1,75 @@
+"""Typed monitor blocks: ``tensorboard``, ``csv_monitor``, ``wandb`` and ``comet``.
+
+Key names and defaults are DeepSpeed's (``deepspeed/monitor/config.py``), so a DeepSpeed
+config that turns a monitor on runs unchanged; unknown keys are errors, as everywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from slipstream.config._base import StrictModel
+
+__all__ = ["CSVMonitorConfig", "CometConfig", "TensorBoardConfig", "WandbConfig"]
+
+
+class TensorBoardConfig(StrictModel):
+    """``tensorboard``: scalar event files for TensorBoard (needs the ``tensorboard`` package)."""
+
+    enabled: bool = False
+    """Write events through ``torch.utils.tensorboard.SummaryWriter`` on rank 0."""
+    output_path: str = ""
+    """Directory that holds the job directory; "" is the current working directory."""
+    job_name: str = Field("DeepSpeedJobName", min_length=1)
+    """Subdirectory of ``output_path`` the event file goes to."""
+
+
+class CSVMonitorConfig(StrictModel):
+    """``csv_monitor``: one CSV file per scalar, ``output_path/job_name/<name>.csv``."""
+
+    enabled: bool = False
+    """Append every event to its scalar's CSV file on rank 0."""
+    output_path: str = ""
+    """Directory that holds the job directory; "" is the current working directory."""
+    job_name: str = Field("DeepSpeedJobName", min_length=1)
+    """Subdirectory of ``output_path`` the CSV files go to."""
+
+
+class WandbConfig(StrictModel):
+    """``wandb``: Weights & Biases (needs the ``wandb`` package; ``WANDB_MODE=offline`` works
+    without network)."""
+
+    enabled: bool = False
+    """Start a W&B run on rank 0 and log every event to it."""
+    group: str | None = None
+    """W&B group that gathers related runs."""
+    team: str | None = None
+    """W&B entity (team or user) that owns the project."""
+    project: str = "deepspeed"
+    """W&B project name."""
+
+
+class CometConfig(StrictModel):
+    """``comet``: Comet ML experiment (needs the ``comet_ml`` package). Unset options fall back
+    to Comet's own configuration (``.comet.config`` or ``COMET_*`` environment variables)."""
+
+    enabled: bool = False
+    """Start a Comet experiment on rank 0 and log events to it."""
+    samples_log_interval: int = Field(100, ge=1)
+    """Log a given scalar at most once every this many training samples."""
+    project: str | None = None
+    """Comet project name."""
+    workspace: str | None = None
+    """Comet workspace name."""
+    api_key: str | None = None
+    """Comet API key."""
+    experiment_name: str | None = None
+    """Display name of the experiment."""
+    experiment_key: str | None = None
+    """Key of an existing experiment to log to (32 to 50 alphanumeric characters)."""
+    online: bool | None = None
+    """False stores the experiment locally (offline mode); None is Comet's default (online)."""
+    mode: Literal["get", "create", "get_or_create"] | None = None
+    """Continue an existing experiment, always create one, or either (Comet's default)."""
