@@ -7,7 +7,7 @@ generated. Works with gloo (CPU) and NCCL (CUDA) alike.
 A collective that does not complete within the process-group timeout
 (``SLIPSTREAM_COMM_TIMEOUT`` seconds, default 600) raises :class:`CollectiveTimeoutError`
 naming the collective (op, label, axis, number on its group), this rank, and the ranks that
-did not arrive (from the arrival records of :mod:`slipstream.distributed._arrivals`).
+did not arrive (:mod:`slipstream.distributed.timeouts`).
 """
 
 from __future__ import annotations
@@ -15,22 +15,29 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
-import math
 import os
 import re
 import socket
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from slipstream._logging import logger
-from slipstream.distributed._arrivals import Arrival, arrivals, describe_peers
+from slipstream.distributed._arrivals import arrivals
+from slipstream.distributed.timeouts import (
+    COMM_TIMEOUT_ENV,
+    DEFAULT_COMM_TIMEOUT_S,
+    Call,
+    CollectiveTimeoutError,
+    comm_timeout,
+    issue,
+    note_timeout_in_use,
+)
 
 __all__ = [
     "COMM_TIMEOUT_ENV",
@@ -186,133 +193,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-COMM_TIMEOUT_ENV = "SLIPSTREAM_COMM_TIMEOUT"
-DEFAULT_COMM_TIMEOUT_S = 600.0
-"""Ten minutes, as torch's own NCCL default: a stalled rank ends the job in minutes, not half
-an hour (DeepSpeed's 30 min), while legitimate skew (first-step compilation, a slow rank-0
-log or eval, a checkpoint on a slow filesystem) stays far below it. Jobs with a longer
-one-rank phase (rank-0-only dataset preparation before a barrier) raise it."""
-_DS_TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"  # DeepSpeed's knob, in minutes
-_TIMEOUT_IN_USE: dict[str, float] = {}
-
-
-def _positive_seconds(name: str, raw: str, scale: float) -> float:
-    try:
-        value = float(raw) * scale
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        unit = "minutes" if scale != 1 else "seconds"
-        raise ValueError(
-            f"{name}={raw!r}: expected a positive number of {unit}; unset it for the default "
-            f"of {DEFAULT_COMM_TIMEOUT_S:.0f} s"
-        )
-    return value
-
-
-def comm_timeout() -> timedelta:
-    """How long a collective may wait for its peers before it fails.
-
-    ``SLIPSTREAM_COMM_TIMEOUT`` (seconds) if set, else DeepSpeed's ``DEEPSPEED_TIMEOUT``
-    (minutes), else :data:`DEFAULT_COMM_TIMEOUT_S`.
-
-    Raises:
-        ValueError: the variable is not a positive number (names it, the value and the fix).
-    """
-    raw = os.environ.get(COMM_TIMEOUT_ENV, "").strip()
-    if raw:
-        return timedelta(seconds=_positive_seconds(COMM_TIMEOUT_ENV, raw, 1.0))
-    raw = os.environ.get(_DS_TIMEOUT_ENV, "").strip()
-    if raw:
-        return timedelta(seconds=_positive_seconds(_DS_TIMEOUT_ENV, raw, 60.0))
-    return timedelta(seconds=DEFAULT_COMM_TIMEOUT_S)
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within the process-group timeout; the message names
-    the collective, this rank and the ranks that did not arrive."""
-
-
-_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One issued communication call, kept to explain a timeout."""
-
-    op: str
-    group: Group
-    label: str | None
-    arrival: Arrival | None
-    """Its number on the group (collectives); None for a send/recv (two ranks only)."""
-    peer: int | None = None
-    """The other global rank of a send/recv."""
-
-
-def _explain_timeout(call: _Call) -> str:
-    """Name the call, this rank and who did not arrive (waits one arrival-publish interval)."""
-    me, local = dist.get_rank(), get_local_rank()
-    secs = _TIMEOUT_IN_USE.get("seconds")
-    within = f"{secs:g} s" if secs else "the process-group timeout"
-    label = f" {call.label!r}" if call.label else ""
-    where = f"on rank {me} (local rank {local})"
-    if call.arrival is None:
-        direction, other = ("to", "recv") if call.op == "send" else ("from", "send")
-        head = f"{call.op}{label} {direction} rank {call.peer} did not complete within {within}"
-        who = (
-            f"rank {call.peer} did not post the matching {other} (it is stalled, or the two "
-            "ranks post their messages in different orders)"
-        )
-    else:
-        ranks = _group_ranks(call.group)
-        head = (
-            f"{call.op}{label} on axis '{axis_name(call.group)}' (collective "
-            f"#{call.arrival.seq} on the group of ranks {ranks}) did not complete within {within}"
-        )
-        peers = arrivals.peers(call.arrival, [r for r in ranks if r != me])
-        who = describe_peers(call.arrival, peers)
-    return (
-        f"{head} {where}: {who}. A rank that is stopped, deadlocked or busy with work the "
-        "others do not wait for causes this; if the wait is legitimate (e.g. rank-0-only data "
-        f"preparation), raise {COMM_TIMEOUT_ENV} (seconds; or `slipstream run --comm_timeout`)"
-    )
-
-
-def _raise_if_timed_out(err: RuntimeError, call: _Call) -> None:
-    if isinstance(err, CollectiveTimeoutError) or not _TIMED_OUT.search(str(err)):
-        return
-    raise CollectiveTimeoutError(_explain_timeout(call)) from err
-
-
-class _Watched:
-    """An async call's Work whose ``wait()`` explains a timeout; anything else is forwarded."""
-
-    def __init__(self, work: dist.Work, call: _Call) -> None:
-        self.work, self.call = work, call
-
-    def wait(self, *args: Any) -> bool:
-        try:
-            return bool(self.work.wait(*args))
-        except RuntimeError as err:
-            _raise_if_timed_out(err, self.call)
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.work, name)
-
-
-def _issue(call: _Call, start: Callable[[], dist.Work | None]) -> dist.Work | None:
-    """Run ``start`` (the torch call); a timeout, now or at ``wait()``, names who is missing."""
-    try:
-        work = start()
-    except RuntimeError as err:
-        _raise_if_timed_out(err, call)
-        raise
-    return None if work is None else cast(dist.Work, _Watched(work, call))
-
-
-def _collective(op: str, group: Group, label: str | None) -> _Call:
-    return _Call(op, group, label, arrivals.enter(op, group, label))
+def _collective(op: str, group: Group, label: str | None) -> Call:
+    return Call(op, group, label, arrivals.enter(op, group, label))
 
 
 def is_initialized() -> bool:
@@ -349,7 +231,7 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
     timeout = timeout or comm_timeout()
-    _TIMEOUT_IN_USE["seconds"] = timeout.total_seconds()
+    note_timeout_in_use(timeout)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if init_method is not None:
         kwargs["init_method"] = init_method
@@ -418,7 +300,7 @@ def all_reduce(
     """In-place all-reduce of ``tensor``; message bytes = tensor bytes."""
     comm_counters.record("all_reduce", group, _nbytes(tensor), label)
     call = _collective("all_reduce", group, label)
-    return _issue(call, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+    return issue(call, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def _is_gloo(group: Group) -> bool:
@@ -482,9 +364,9 @@ def all_gather_into_tensor(
             slot.copy_(input)
         output[: rank * n].zero_()
         output[(rank + 1) * n :].zero_()
-        return _issue(call, lambda: dist.all_reduce(output, group=group, async_op=async_op))
+        return issue(call, lambda: dist.all_reduce(output, group=group, async_op=async_op))
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _issue(call, lambda: fn(output, input, group=group, async_op=async_op))
+    return issue(call, lambda: fn(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter_tensor(
@@ -506,7 +388,7 @@ def reduce_scatter_tensor(
     if _is_gloo(group) and op == ReduceOp.SUM and input.dim() == 1:
         world = get_world_size(group)
         scratch = _scratch.take(input)
-        work = _issue(
+        work = issue(
             call, lambda: dist.all_to_all_single(scratch, input, group=group, async_op=True)
         )
 
@@ -520,7 +402,7 @@ def reduce_scatter_tensor(
             return None
         return done  # type: ignore[return-value]
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _issue(call, lambda: fn(output, input, op=op, group=group, async_op=async_op))
+    return issue(call, lambda: fn(output, input, op=op, group=group, async_op=async_op))
 
 
 def all_gather_quantized(
@@ -640,7 +522,7 @@ def all_to_all_single(
     """All-to-all over dim 0 of ``input``; message bytes = input bytes."""
     comm_counters.record("all_to_all", group, _nbytes(input), label)
     call = _collective("all_to_all", group, label)
-    return _issue(
+    return issue(
         call,
         lambda: dist.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
@@ -658,7 +540,7 @@ def broadcast(
     """Broadcast from global rank ``src``; message bytes = tensor bytes."""
     comm_counters.record("broadcast", group, _nbytes(tensor), label)
     call = _collective("broadcast", group, label)
-    return _issue(call, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+    return issue(call, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
 def isend(
@@ -670,7 +552,7 @@ def isend(
     used: NCCL ignores them). Message bytes = tensor bytes, counted as ``send``.
     """
     comm_counters.record("send", group, _nbytes(tensor), label)
-    work = _issue(_Call("send", group, label, None, dst), lambda: dist.isend(tensor, dst, group))
+    work = issue(Call("send", group, label, None, dst), lambda: dist.isend(tensor, dst, group))
     assert work is not None
     return work
 
@@ -680,7 +562,7 @@ def irecv(
 ) -> dist.Work:
     """Start receiving into ``tensor`` from global rank ``src``; counted as ``recv``."""
     comm_counters.record("recv", group, _nbytes(tensor), label)
-    work = _issue(_Call("recv", group, label, None, src), lambda: dist.irecv(tensor, src, group))
+    work = issue(Call("recv", group, label, None, src), lambda: dist.irecv(tensor, src, group))
     assert work is not None
     return work
 
@@ -711,7 +593,7 @@ def new_group(ranks: list[int], axis: str | None = None) -> Group:
 
 def barrier(group: Group = None, label: str | None = None) -> None:
     comm_counters.record("barrier", group, 0, label)
-    _issue(_collective("barrier", group, label), lambda: dist.barrier(group=group))
+    issue(_collective("barrier", group, label), lambda: dist.barrier(group=group))
 
 
 _CONTROL: dict[str, Any] = {}
@@ -759,7 +641,7 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     out: list[Any] = [None] * get_world_size(group)
     comm_counters.record("all_gather_object", group, 0, None)
     call = _collective("all_gather_object", group, None)
-    _issue(call, lambda: dist.all_gather_object(out, obj, group=group))
+    issue(call, lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 
