@@ -38,7 +38,7 @@ from torch import nn
 from benchmarks._harness import BenchConfig, PeakMemory, spawn_world
 from slipstream.distributed.mesh import dp_group
 from slipstream.models.gpt import GPT, GPTConfig
-from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers
+from slipstream.models.gpt_pipeline import gpt_loss, gpt_pipeline_layers
 
 _MB = 2**20
 

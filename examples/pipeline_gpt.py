@@ -19,7 +19,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.distributed.mesh import dp_group
 from slipstream.models import GPTConfig
-from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers
+from slipstream.models.gpt_pipeline import gpt_loss, gpt_pipeline_layers
 from slipstream.pipe import PipelineModule
 
 

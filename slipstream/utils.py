@@ -1,5 +1,5 @@
 """DeepSpeed's ``deepspeed.utils`` names that training scripts import."""
 
-from slipstream.runtime.dataloader import RepeatingLoader
+from slipstream.data.loader import RepeatingLoader
 
 __all__ = ["RepeatingLoader"]

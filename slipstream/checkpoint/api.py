@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,16 +39,37 @@ from slipstream.checkpoint.format import (
     write_pieces,
 )
 from slipstream.checkpoint.state import collect_state, restore_state
+from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.version import __version__
+from slipstream.zero.optimizer import ZeroOptimizer
 
-if TYPE_CHECKING:
-    from slipstream.runtime.engine import Engine
-
-__all__ = ["PendingSave", "finish_save", "load_checkpoint", "save_checkpoint"]
+__all__ = ["PendingSave", "TrainingState", "finish_save", "load_checkpoint", "save_checkpoint"]
 
 
-def _rendezvous(engine: Engine, what: str) -> None:
+class TrainingState(Protocol):
+    """What a checkpoint saves and restores of an engine: the engine implements it, and this
+    package sees an engine only through it (``checkpoint`` sits below ``runtime``)."""
+
+    config: SlipstreamConfig
+    module: torch.nn.Module
+    optimizer: ZeroOptimizer | None
+    lr_scheduler: Any
+    training_dataloader: Any
+    global_steps: int
+    global_samples: int
+    micro_steps: int
+    skipped_steps: int
+
+    @property
+    def dp_world_size(self) -> int: ...
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+    def zero_optimization_stage(self) -> int: ...
+
+
+def _rendezvous(engine: TrainingState, what: str) -> None:
     """Every rank must call ``what``: name the ones that do not, within the timeout."""
     timeout = timedelta(seconds=engine.config.checkpoint.barrier_timeout)
     try:
@@ -57,7 +78,7 @@ def _rendezvous(engine: Engine, what: str) -> None:
         raise CheckpointError(f"{e}, not only on rank 0") from e
 
 
-def _agree(engine: Engine, value: str, what: str) -> str:
+def _agree(engine: TrainingState, value: str, what: str) -> str:
     """Rank 0's ``value``; differing values follow ``checkpoint.tag_validation``."""
     values = comm.all_gather_object(value)
     if len(set(values)) > 1:
@@ -189,24 +210,23 @@ def _begin(root: Path, tag: str, save_latest: bool) -> PendingSave:
 
 
 def save_checkpoint(
-    engine: Engine,
+    engine: TrainingState,
     save_dir: str | os.PathLike[str],
     tag: Any = None,
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
-) -> bool:
+) -> PendingSave | None:
     """Write a sharded, reshardable checkpoint of ``engine`` to ``save_dir/tag`` atomically.
 
     With ``checkpoint.async_save`` the state is snapshotted (copied) now and the shard files
-    are written by a background thread while training goes on; the checkpoint is committed
-    (manifest, rename, ``latest``) by ``engine.wait_for_checkpoint()``, which the next save,
-    load and ``destroy`` call first.
+    are written by a background thread while training goes on: the returned ``PendingSave`` is
+    committed (manifest, rename, ``latest``) by ``finish_save``, which the engine calls before
+    its next save or load and in ``destroy``. Returns None when the save is committed.
 
     Raises:
         CheckpointError: on every rank when any rank fails (full disk, no permission, ...),
             naming the failing ranks; the previous checkpoint and ``latest`` stay as they were.
     """
-    finish_save(engine)
     cfg = engine.config.checkpoint
     if cfg.use_node_local_storage:
         raise CheckpointError(
@@ -232,15 +252,14 @@ def save_checkpoint(
             target=pending.write_shard, name="slipstream-checkpoint", daemon=True
         )
         pending.thread.start()
-        engine._pending_save = pending
-        return True
+        return pending
     pending.write_shard()
     _commit(engine, pending)
-    return True
+    return None
 
 
 def _write_files(
-    engine: Engine, pending: PendingSave, client_state: dict[str, Any] | None, snapshot: bool
+    engine: TrainingState, pending: PendingSave, client_state: dict[str, Any] | None, snapshot: bool
 ) -> None:
     """This rank's small files now; its shard's tensors are staged in ``pending.shard``
     (copies when ``snapshot``: training may change them in place before they are written)."""
@@ -292,18 +311,14 @@ def _write_files(
     pending.shard = (shard_name, tmp / shard_name, tensors)
 
 
-def finish_save(engine: Engine) -> None:
-    """Commit an asynchronous save still in flight (every rank must call it); no-op if none."""
-    pending = engine._pending_save
-    if pending is None:
-        return
-    engine._pending_save = None
+def finish_save(engine: TrainingState, pending: PendingSave) -> None:
+    """Commit an asynchronous save still in flight (every rank must call it)."""
     if pending.thread is not None:
         pending.thread.join()
     _commit(engine, pending)
 
 
-def _commit(engine: Engine, pending: PendingSave) -> None:
+def _commit(engine: TrainingState, pending: PendingSave) -> None:
     """Agree that every shard is on disk; rank 0 writes the manifest, renames the directory
     into place, updates ``latest`` and applies ``keep_last``; agree that it did."""
     try:
@@ -321,7 +336,7 @@ def _commit(engine: Engine, pending: PendingSave) -> None:
     log_rank0("saved checkpoint %s", pending.root / pending.tag)
 
 
-def _publish(engine: Engine, pending: PendingSave, every: list[dict[str, Any]]) -> None:
+def _publish(engine: TrainingState, pending: PendingSave, every: list[dict[str, Any]]) -> None:
     """Rank 0: the steps that make the checkpoint visible, each atomic (``commit``)."""
     assert pending.meta is not None
     root, tag = pending.root, pending.tag
@@ -346,7 +361,7 @@ def _publish(engine: Engine, pending: PendingSave, every: list[dict[str, Any]]) 
             )
 
 
-def _engine_meta(engine: Engine, world: int) -> dict[str, Any]:
+def _engine_meta(engine: TrainingState, world: int) -> dict[str, Any]:
     opt = engine.optimizer
     return {
         "format_version": FORMAT_VERSION,
@@ -391,7 +406,7 @@ def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, An
 
 
 def load_checkpoint(
-    engine: Engine,
+    engine: TrainingState,
     load_dir: str | os.PathLike[str],
     tag: Any = None,
     load_module_strict: bool = True,
@@ -408,8 +423,9 @@ def load_checkpoint(
         CheckpointError: on every rank when any rank fails, naming the failing ranks and
             what is wrong (a missing tag with the tags present, a damaged or edited
             manifest, a corrupted file).
+
+    The caller commits its own asynchronous save first (``finish_save``).
     """
-    finish_save(engine)
     if not load_module_strict:
         raise ValueError("load_module_strict=False is not supported yet: pass True")
     _rendezvous(engine, "load_checkpoint")
@@ -456,7 +472,7 @@ def load_checkpoint(
 
 
 def _restore(
-    engine: Engine,
+    engine: TrainingState,
     reader: CheckpointReader,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
@@ -488,7 +504,7 @@ def _restore(
     return client_state
 
 
-def _restore_rank_state(engine: Engine, reader: CheckpointReader, m: dict[str, Any]) -> None:
+def _restore_rank_state(engine: TrainingState, reader: CheckpointReader, m: dict[str, Any]) -> None:
     """RNG and data position: exact on the same world size; otherwise the position only."""
     rank, world = comm.get_rank(), comm.get_world_size()
     loader = engine.training_dataloader

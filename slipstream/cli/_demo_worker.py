@@ -7,9 +7,9 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
 import slipstream
+from slipstream import comm as dist
 from slipstream.cli._rank_entry import die_with_launcher
 from slipstream.cli.demo import add_worker_arguments
 from slipstream.data import ByteTokenizer, TokenDataset, encode_corpus, load_corpus, split_train_val

@@ -131,7 +131,7 @@ def train_diffusion(
         :class:`TrainResult` with the EMA model in eval mode (the trained model itself if
         ``ema_decay == 0``) and the per-step losses.
     """
-    import slipstream
+    from slipstream.runtime.initialize import initialize
 
     cfg = config or DiffusionTrainConfig()
     _check_data(images, labels)
@@ -140,7 +140,7 @@ def train_diffusion(
     )
     model.to(memory_format=fmt)
     ema = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema_decay > 0 else None
-    engine, _, _, _ = slipstream.initialize(
+    engine, _, _, _ = initialize(
         model=model, config=_engine_config(cfg.batch_size, cfg.lr, cfg.steps, cfg.warmup_steps)
     )
     device = engine.device
@@ -187,11 +187,11 @@ def train_classifier(
     config: ClassifierTrainConfig | None = None,
 ) -> TrainResult:
     """Train a classifier with cross-entropy through slipstream's engine; returns it in eval mode."""
-    import slipstream
+    from slipstream.runtime.initialize import initialize
 
     cfg = config or ClassifierTrainConfig()
     _check_data(images, labels)
-    engine, _, _, _ = slipstream.initialize(
+    engine, _, _, _ = initialize(
         model=model, config=_engine_config(cfg.batch_size, cfg.lr, cfg.steps, cfg.steps // 10)
     )
     images, labels = images.to(engine.device), labels.to(engine.device)

@@ -29,6 +29,14 @@ import torch.distributed as dist
 
 from slipstream._logging import logger
 from slipstream.distributed._arrivals import arrivals
+from slipstream.distributed.groups import (
+    Group,
+    axis_name,
+    get_local_rank,
+    group_ranks,
+    is_process_group,
+    register_axis,
+)
 from slipstream.distributed.timeouts import (
     COMM_TIMEOUT_ENV,
     DEFAULT_COMM_TIMEOUT_S,
@@ -54,6 +62,7 @@ __all__ = [
     "check_same_across_ranks",
     "comm_counters",
     "comm_timeout",
+    "destroy_process_group",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -61,6 +70,7 @@ __all__ = [
     "init_distributed",
     "irecv",
     "is_initialized",
+    "is_process_group",
     "isend",
     "log_summary",
     "new_group",
@@ -71,7 +81,6 @@ __all__ = [
 ]
 
 ReduceOp = dist.ReduceOp
-Group = dist.ProcessGroup | None
 
 
 @dataclass
@@ -121,24 +130,14 @@ class CommCounters:
 
 
 comm_counters = CommCounters()
-_AXES: dict[int, str] = {}
 
 
 _TOPOLOGY: dict[str, int] = {}
-_GROUP_RANKS: dict[int, list[int]] = {}
 
 
 def set_ranks_per_node(ranks_per_node: int) -> None:
     """Declare how many consecutive global ranks share a node (enables cross-node counts)."""
     _TOPOLOGY["ranks_per_node"] = ranks_per_node
-
-
-def _group_ranks(group: Group) -> list[int]:
-    key = id(group)
-    if key not in _GROUP_RANKS:
-        g = dist.GroupMember.WORLD if group is None else group
-        _GROUP_RANKS[key] = dist.get_process_group_ranks(g)
-    return _GROUP_RANKS[key]
 
 
 def _cross_node_bytes(op: str, group: Group, nbytes: int) -> float:
@@ -154,7 +153,7 @@ def _cross_node_bytes(op: str, group: Group, nbytes: int) -> float:
     if not is_initialized():
         return 0.0
     per_node = _TOPOLOGY["ranks_per_node"]
-    ranks = _group_ranks(group)
+    ranks = group_ranks(group)
     k = len(ranks)
     me = dist.get_rank()
     nodes = {r // per_node for r in ranks}
@@ -169,18 +168,6 @@ def _cross_node_bytes(op: str, group: Group, nbytes: int) -> float:
     if op in ("all_gather", "reduce_scatter", "broadcast"):
         return ring
     return 0.0
-
-
-def register_axis(group: Group, name: str) -> None:
-    """Name the mesh axis a process group belongs to (done by the mesh builder)."""
-    _AXES[id(group)] = name
-
-
-def axis_name(group: Group) -> str:
-    """Axis label of ``group``: its registered name, or 'world' for the default group."""
-    if group is None or group is dist.GroupMember.WORLD:
-        return _AXES.get(id(dist.GroupMember.WORLD), "world")
-    return _AXES.get(id(group), "unnamed")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -267,6 +254,11 @@ def _shutdown() -> None:
                 hook()
             except Exception as e:  # a peer already gone: nothing left to finish
                 logger.debug("exit hook failed: %s", e)
+    destroy_process_group()
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group (no-op when there is none)."""
     if is_initialized():
         dist.destroy_process_group()
 
@@ -284,10 +276,6 @@ def global_rank(group: Group, group_rank: int) -> int:
     if group is None or not is_initialized():
         return group_rank
     return dist.get_global_rank(group, group_rank)
-
-
-def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def all_reduce(

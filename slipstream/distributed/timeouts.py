@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from slipstream.distributed._arrivals import Arrival, arrivals, describe_peers
+from slipstream.distributed.groups import axis_name, get_local_rank, group_ranks
 
 __all__ = [
     "COMM_TIMEOUT_ENV",
@@ -99,9 +100,7 @@ class Call:
 
 def _explain_timeout(call: Call) -> str:
     """Name the call, this rank and who did not arrive (waits one arrival-publish interval)."""
-    from slipstream.distributed import comm  # comm imports this module; the error path only
-
-    me, local = dist.get_rank(), comm.get_local_rank()
+    me, local = dist.get_rank(), get_local_rank()
     secs = _TIMEOUT_IN_USE.get("seconds")
     within = f"{secs:g} s" if secs else "the process-group timeout"
     label = f" {call.label!r}" if call.label else ""
@@ -114,9 +113,9 @@ def _explain_timeout(call: Call) -> str:
             "ranks post their messages in different orders)"
         )
     else:
-        ranks = comm._group_ranks(call.group)
+        ranks = group_ranks(call.group)
         head = (
-            f"{call.op}{label} on axis '{comm.axis_name(call.group)}' (collective "
+            f"{call.op}{label} on axis '{axis_name(call.group)}' (collective "
             f"#{call.arrival.seq} on the group of ranks {ranks}) did not complete within {within}"
         )
         peers = arrivals.peers(call.arrival, [r for r in ranks if r != me])

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream import checkpointing
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
+from slipstream.parallel import recompute
 from slipstream.parallel.tensor import gather_from_tp, vocab_parallel_cross_entropy
 from slipstream.sequence import lss_attention, sequence_parallel_cross_entropy, ulysses_attention
 from slipstream.zero.init import deferred_init_active
@@ -193,10 +193,10 @@ def _checkpoint(layer: nn.Module, *args: torch.Tensor) -> torch.Tensor:
     # The activation_checkpointing config options (partitioned, CPU, selective) once
     # slipstream.initialize configured them; else torch's non-reentrant checkpoint. Both
     # replay dropout masks, tensor-parallel RNG streams included.
-    if checkpointing.is_configured():
-        out: torch.Tensor = checkpointing.checkpoint(layer, *args)
+    if recompute.is_configured():
+        out: torch.Tensor = recompute.checkpoint(layer, *args)
     else:
-        out = checkpointing.non_reentrant_checkpoint(layer, *args)
+        out = recompute.non_reentrant_checkpoint(layer, *args)
     return out
 
 

@@ -380,7 +380,7 @@ class _VocabParallelCE(torch.autograd.Function):
         x = logits.float()
         x = x.clone() if x is logits else x  # work in place on our own fp32 copy
         row_max = x.max(dim=-1).values
-        comm.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=group, label="tp_ce")
+        comm.all_reduce(row_max, op=comm.ReduceOp.MAX, group=group, label="tp_ce")
         x.sub_(row_max.unsqueeze(-1))
         mine = (labels >= start) & (labels < start + vl)
         idx = (labels - start).clamp(0, vl - 1).unsqueeze(-1)

@@ -17,16 +17,17 @@ import torch
 from torch import nn
 
 from slipstream._logging import log_rank0, logger
+from slipstream.checkpoint.api import PendingSave, finish_save, load_checkpoint, save_checkpoint
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
-from slipstream.profiling.monitor import MonitorMaster
-from slipstream.runtime.precision import (
+from slipstream.precision import (
     NonFiniteGradientError,
     nonfinite_error_message,
     skipped_step_message,
 )
+from slipstream.profiling.monitor import MonitorMaster
 from slipstream.runtime.timers import StepTimers
-from slipstream.zero import ZeroOptimizer
+from slipstream.zero import ZeroOptimizer, gathered_model, save_16bit_model
 
 __all__ = ["Engine"]
 
@@ -55,7 +56,7 @@ class Engine(nn.Module):
         self.mesh = mesh
         self.device = device
         self.training_dataloader: Any = None  # set by initialize when it builds one
-        self._pending_save: Any = None  # an async checkpoint save not yet committed
+        self._pending_save: PendingSave | None = None  # an async save not yet committed
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -236,8 +237,6 @@ class Engine(nn.Module):
         ZeRO-3 units are gathered one at a time, so memory stays bounded by one unit.
         ``save_filename`` is accepted for DeepSpeed compatibility; only safetensors is written.
         """
-        from slipstream.zero import save_16bit_model
-
         if exclude_frozen_parameters:
             raise ValueError("exclude_frozen_parameters=True is not supported yet: pass False")
         dtype = torch.float16 if self.fp16_enabled() else torch.bfloat16
@@ -258,11 +257,11 @@ class Engine(nn.Module):
         atomically when complete; with ``save_latest`` the ``latest`` file names it. The
         checkpoint loads at any world size and ZeRO stage. ``client_state`` round-trips.
         """
-        from slipstream.checkpoint import save_checkpoint
-
         if exclude_frozen_parameters:
             raise ValueError("exclude_frozen_parameters=True is not supported yet: pass False")
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        self.wait_for_checkpoint()
+        self._pending_save = save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return True
 
     def load_checkpoint(
         self,
@@ -277,8 +276,7 @@ class Engine(nn.Module):
 
         ``(None, None)`` (with a log line) when ``tag`` is None and there is no ``latest``.
         """
-        from slipstream.checkpoint import load_checkpoint
-
+        self.wait_for_checkpoint()
         return load_checkpoint(
             self,
             load_dir,
@@ -291,15 +289,13 @@ class Engine(nn.Module):
 
     def wait_for_checkpoint(self) -> None:
         """Commit an asynchronous ``save_checkpoint`` still in flight (every rank calls it)."""
-        from slipstream.checkpoint import finish_save
-
-        finish_save(self)
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            finish_save(self, pending)
 
     @contextmanager
     def gathered_for_generation(self) -> Iterator[nn.Module]:
         """Gather ZeRO-3 parameters once for a generation loop (not once per token)."""
-        from slipstream.zero import gathered_model
-
         with gathered_model(self.module) as module:
             yield module
 

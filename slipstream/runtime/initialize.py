@@ -17,13 +17,14 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config import AutoContext, ConfigError, SlipstreamConfig, parse_config
 from slipstream.config.loader import load_config
+from slipstream.data.loader import build_dataloader
 from slipstream.distributed import comm
 from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group, dp_sp_group
 from slipstream.distributed.topology import resolve_ranks_per_node
-from slipstream.parallel.pipeline import PipelineEngine, PipelineModule
-from slipstream.runtime.dataloader import build_dataloader
+from slipstream.parallel.pipeline import PipelineModule
+from slipstream.precision import LossScaler, PrecisionPolicy
 from slipstream.runtime.engine import Engine
-from slipstream.runtime.precision import LossScaler, PrecisionPolicy
+from slipstream.runtime.pipeline_engine import PipelineEngine
 from slipstream.zero import StepPolicy, ZeroOptimizer, shard_zero_
 from slipstream.zero.init import (
     has_meta_parameters,
@@ -138,9 +139,9 @@ def initialize(
         or dims.tp > 1
         or cfg.activation_checkpointing != type(cfg.activation_checkpointing)()
     ):
-        from slipstream import checkpointing
+        from slipstream.parallel import recompute
 
-        checkpointing.configure(
+        recompute.configure(
             mesh.get_group("tp") if dims.tp > 1 else None, cfg.activation_checkpointing
         )
 

@@ -118,15 +118,15 @@ def train_segmenter(
     of images (same ``seed``) and trains on its own slice of ``batch_size / N``, so N ranks
     follow the single-process run on the global batch. ``steps`` counts micro-steps.
     """
-    import slipstream
     from slipstream.distributed import comm
+    from slipstream.runtime.initialize import initialize
 
     cfg = config or {
         "train_batch_size": batch_size,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
         "gradient_clipping": 1.0,
     }
-    engine, *_ = slipstream.initialize(model=model, config=cfg)
+    engine, *_ = initialize(model=model, config=cfg)
     micro = engine.train_micro_batch_size_per_gpu()
     rank, world = comm.get_rank(), comm.get_world_size()
     g = torch.Generator().manual_seed(seed)

@@ -12,7 +12,7 @@ from slipstream._logging import log_rank0
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
 from slipstream.distributed.topology import NodeTopology, build_node_topology
-from slipstream.runtime.precision import PrecisionPolicy
+from slipstream.precision import PrecisionPolicy
 from slipstream.zero.estimate import estimate_memory
 from slipstream.zero.export import gathered_model, save_16bit_model
 from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets

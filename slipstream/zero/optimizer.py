@@ -23,7 +23,7 @@ import torch
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
 from slipstream.optim.kinds import optimizer_kind
-from slipstream.runtime.precision import LossScaler
+from slipstream.precision import LossScaler
 from slipstream.zero.flat import Bucket, ParamStore
 from slipstream.zero.reducer import GradientReducer
 from slipstream.zero.swap import TensorSwapper

@@ -11,7 +11,7 @@ import slipstream
 from slipstream.distributed.comm import comm_counters
 from slipstream.distributed.mesh import dp_group
 from slipstream.models import GPT, GPTConfig
-from slipstream.parallel.pipeline.gpt import (
+from slipstream.models.gpt_pipeline import (
     gpt_loss,
     gpt_parameter_name,
     gpt_pipeline_layers,

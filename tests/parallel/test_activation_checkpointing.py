@@ -14,6 +14,7 @@ from torch import nn
 
 from slipstream import checkpointing
 from slipstream.config import ConfigError
+from slipstream.parallel import recompute
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +157,7 @@ def test_selective_recomputes_attention_with_dropout() -> None:
 
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     q = torch.randn(1, 2, 4, 8)
-    policy = checkpointing._save_matmuls
+    policy = recompute._save_matmuls
     assert policy(None, op, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE
     assert policy(None, op, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
     assert policy(None, op, q, q, q, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE

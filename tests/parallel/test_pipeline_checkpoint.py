@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import slipstream
 from slipstream.distributed.mesh import dp_group
-from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers, load_gpt_weights_
+from slipstream.models.gpt_pipeline import gpt_loss, gpt_pipeline_layers, load_gpt_weights_
 from slipstream.pipe import PipelineModule
 from tests.distributed.harness import run_world
 from tests.parallel import _pipe_workloads as w

@@ -13,8 +13,8 @@ from torch import nn
 
 import slipstream
 from slipstream.config import ConfigError
+from slipstream.models.gpt_pipeline import gpt_loss, gpt_pipeline_layers, load_gpt_weights_
 from slipstream.parallel.pipeline import partition_balanced
-from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers, load_gpt_weights_
 from slipstream.pipe import LayerSpec, PipelineError, PipelineModule
 from tests.parallel import _pipe_workloads as w
 

@@ -75,7 +75,7 @@ def train(out_dir: str, steps: int, *, fp16: bool = False, gas: int = 2) -> dict
 
 def pipeline_train(out_dir: str, steps: int) -> list[float]:
     """Two pipeline stages with a CSV monitor: ``train_batch``'s losses (every rank)."""
-    from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers
+    from slipstream.models.gpt_pipeline import gpt_loss, gpt_pipeline_layers
     from slipstream.pipe import PipelineModule
     from tests.parallel._pipe_workloads import MICRO, gpt_config, micro_iter
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream._logging import logger
 from slipstream.models import GPT, GPTConfig
-from slipstream.runtime.precision import NonFiniteGradientError
+from slipstream.precision import NonFiniteGradientError
 
 BAD_STEP = 1  # the 0-based step whose loss is poisoned (logged as step 2)
 
@@ -107,7 +107,7 @@ def _train(
 def _train_pipeline(precision: str, stage: int, poison: str | None, steps: int) -> dict[str, Any]:
     """As ``_train`` for a 2-stage ``PipelineModule``: the loss exists on the last stage
     (rank 1) only, so poisoning it poisons one rank."""
-    from slipstream.parallel.pipeline.gpt import gpt_loss, gpt_pipeline_layers
+    from slipstream.models.gpt_pipeline import gpt_loss, gpt_pipeline_layers
     from slipstream.pipe import PipelineModule
     from tests.parallel._pipe_workloads import gpt_config
 

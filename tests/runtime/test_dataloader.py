@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from slipstream.runtime.dataloader import build_dataloader
+from slipstream.data.loader import build_dataloader
 from slipstream.utils import RepeatingLoader
 
 

@@ -1,12 +1,13 @@
 """Pipeline parallelism: ``PipelineModule`` (layers split into stages), schedules (GPipe,
-1F1B, interleaved 1F1B) and ``PipelineEngine`` (``train_batch``/``eval_batch``).
+1F1B, interleaved 1F1B). The engine that runs them, ``PipelineEngine`` (``train_batch``/
+``eval_batch``), lives beside ``Engine`` in ``slipstream.runtime.pipeline_engine``; the GPT's
+pipeline layers live beside the GPT in ``slipstream.models.gpt_pipeline``.
 
 ``slipstream.initialize(model=PipelineModule(...), config=...)`` builds the pipeline engine;
 the ``pipeline`` config block picks the schedule. ``slipstream.pipe`` re-exports the
 DeepSpeed names.
 """
 
-from slipstream.parallel.pipeline.engine import ActivationStats, PipelineEngine
 from slipstream.parallel.pipeline.module import (
     LayerSpec,
     PipelineError,
@@ -25,10 +26,8 @@ from slipstream.parallel.pipeline.schedule import (
 )
 
 __all__ = [
-    "ActivationStats",
     "Instruction",
     "LayerSpec",
-    "PipelineEngine",
     "PipelineError",
     "PipelineModule",
     "Schedule",

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from slipstream import checkpointing
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.parallel import recompute
 from slipstream.parallel.tensor import TPPlan, add_block_plan
 
 __all__ = ["LayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec", "partition_balanced"]
@@ -460,5 +460,5 @@ def _checkpointed(fns: Sequence[Callable[[Any], Any]], x: Any) -> Any:
     # The reentrant function only reaches parameters through inputs that require grad: when
     # none does (token ids entering the first stage) use the non-reentrant one.
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return checkpointing.checkpoint(run, *args)
-    return checkpointing.non_reentrant_checkpoint(run, *args)
+        return recompute.checkpoint(run, *args)
+    return recompute.non_reentrant_checkpoint(run, *args)

@@ -20,6 +20,7 @@ import torch
 
 from slipstream.config import ConfigError
 from slipstream.config.schema import SlipstreamConfig
+from slipstream.data.loader import RepeatingLoader
 from slipstream.distributed import comm
 from slipstream.parallel.pipeline._p2p import StageChannel
 from slipstream.parallel.pipeline.module import PipelineError, PipelineModule
@@ -30,7 +31,6 @@ from slipstream.parallel.pipeline.schedule import (
     build_schedule,
     simulate,
 )
-from slipstream.runtime.dataloader import RepeatingLoader
 from slipstream.runtime.engine import Engine
 from slipstream.zero import ZeroOptimizer
 from slipstream.zero.param import full_numel, full_shape
