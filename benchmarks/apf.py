@@ -64,7 +64,7 @@ from slipstream.vision import (
     synthetic_blobs,
     train_segmenter,
 )
-from slipstream.vision.edges import _sobel, gaussian_blur, to_grey
+from slipstream.vision.canny import _sobel, gaussian_blur, to_grey
 from slipstream.vision.quadtree import Leaves
 from slipstream.vision.tokens import extract_tokens, tokens_to_image
 

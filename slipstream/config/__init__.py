@@ -1,7 +1,8 @@
 """Typed configuration and the DeepSpeed JSON loader."""
 
 from slipstream.config._errors import ConfigError
-from slipstream.config.loader import AutoContext, load_config, parse_config, resolve_batch_sizes
+from slipstream.config.auto import AutoContext
+from slipstream.config.loader import load_config, parse_config, resolve_batch_sizes
 from slipstream.config.precision import BF16Config, DataTypesConfig, FP16Config
 from slipstream.config.schema import OptimizerConfig, SchedulerConfig, SlipstreamConfig
 from slipstream.config.zero import OffloadConfig, ZeroConfig

@@ -14,20 +14,19 @@ import binascii
 import copy
 import json
 import os
+import sys
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from slipstream.config._base import validate_model
 from slipstream.config._errors import ConfigError, type_error_message
+from slipstream.config.auto import AUTO, BATCH_KEYS, AutoContext, is_auto, resolve_auto
 from slipstream.config.parallel import check_parallel_config
 from slipstream.config.schema import NOT_YET_IMPLEMENTED, SlipstreamConfig
 
 __all__ = ["AutoContext", "load_config", "parse_config", "resolve_batch_sizes"]
-
-AUTO = "auto"
 
 # (old name, new name) at the top level and inside zero_optimization.
 _TOP_ALIASES = {"bfloat16": "bf16"}
@@ -46,25 +45,6 @@ _ZERO_SHORT_NAMES = (
     "use_all_reduce_for_fetch_params",
     "allgather_sequential",
 )
-
-
-@dataclass
-class AutoContext:
-    """What ``"auto"`` values are resolved from.
-
-    Attributes:
-        hidden_size: the model's hidden size (``model.config.hidden_size``), for bucket sizes.
-        model_dtype: dtype of the model's floating-point parameters, for ``fp16/bf16.enabled``.
-        optimizer_defaults: maps an optimizer type name and its explicit params to the
-            hyperparameters it would use by default.
-        client_hparams: hyperparameters of a client optimizer's first param group, if any.
-    """
-
-    hidden_size: int | None = None
-    model_dtype: Any = None
-    optimizer_defaults: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
-    client_hparams: dict[str, Any] = field(default_factory=dict)
-    resolved: dict[str, Any] = field(default_factory=dict)
 
 
 class _DuplicateKeyError(ConfigError):
@@ -166,7 +146,7 @@ def _apply_aliases(raw: dict[str, Any]) -> None:
         warnings.warn(
             "'zero_optimization': true/false is deprecated; use {'stage': 1} or {'stage': 0}",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=_first_frame_outside_config(),
         )
         raw["zero_optimization"] = {"stage": 1 if zero else 0}
         return
@@ -197,8 +177,19 @@ def _apply_aliases(raw: dict[str, Any]) -> None:
 
 def _warn_alias(old: str, new: str) -> None:
     warnings.warn(
-        f"config key '{old}' is deprecated; use '{new}'", DeprecationWarning, stacklevel=4
+        f"config key '{old}' is deprecated; use '{new}'",
+        DeprecationWarning,
+        stacklevel=_first_frame_outside_config(),
     )
+
+
+def _first_frame_outside_config() -> int:
+    """The ``stacklevel`` that attributes a warning to the code calling into this package."""
+    here = str(Path(__file__).parent)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
@@ -245,112 +236,6 @@ _BLOCKS_WITHOUT_ENABLED = frozenset(
 )
 
 
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.lower() == AUTO
-
-
-def _resolve_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
-    """Replace every ``"auto"`` in ``raw`` or raise naming the key."""
-    _resolve_precision_auto(raw, ctx)
-    _resolve_optimizer_auto(raw, ctx)
-    _resolve_scheduler_auto(raw, ctx)
-    # Mesh sizes: "auto" means "whatever the world and the other sizes leave".
-    if _is_auto(raw.get("data_parallel_size")):
-        raw["data_parallel_size"] = None
-    pipe = raw.get("pipeline")
-    if isinstance(pipe, dict) and _is_auto(pipe.get("stages")):
-        pipe["stages"] = None
-    zero = raw.get("zero_optimization")
-    if isinstance(zero, dict):
-        hidden_rules = {
-            "reduce_bucket_size": 1.0,
-            "allgather_bucket_size": 1.0,
-            "stage3_prefetch_bucket_size": 0.9,
-            "stage3_param_persistence_threshold": None,
-        }
-        for key, factor in hidden_rules.items():
-            if not _is_auto(zero.get(key)):
-                continue
-            if ctx.hidden_size is None:
-                raise ConfigError(
-                    f"cannot resolve 'zero_optimization.{key}' = \"auto\": the model has no "
-                    "config.hidden_size; set a number of elements instead"
-                )
-            h = ctx.hidden_size
-            zero[key] = 10 * h if factor is None else int(factor * h * h)
-            ctx.resolved[f"zero_optimization.{key}"] = zero[key]
-    _reject_remaining_auto(raw, "")
-
-
-def _resolve_precision_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
-    import torch
-
-    for key, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
-        block = raw.get(key)
-        if isinstance(block, dict) and _is_auto(block.get("enabled")):
-            if ctx.model_dtype is None:
-                raise ConfigError(f"cannot resolve '{key}.enabled' = \"auto\" without a model")
-            block["enabled"] = ctx.model_dtype == dtype
-            ctx.resolved[f"{key}.enabled"] = block["enabled"]
-
-
-def _resolve_optimizer_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
-    opt = raw.get("optimizer")
-    if not isinstance(opt, dict) or not isinstance(opt.get("params"), dict):
-        return
-    params = opt["params"]
-    autos = [k for k, v in params.items() if _is_auto(v)]
-    if not autos:
-        return
-    fixed = {k: v for k, v in params.items() if not _is_auto(v)}
-    defaults = (
-        ctx.optimizer_defaults(str(opt.get("type", "")), fixed) if ctx.optimizer_defaults else {}
-    )
-    for key in autos:
-        if key in ctx.client_hparams:
-            params[key] = ctx.client_hparams[key]
-        elif key in defaults:
-            params[key] = defaults[key]
-        else:
-            raise ConfigError(
-                f"cannot resolve 'optimizer.params.{key}' = \"auto\": optimizer "
-                f"'{opt.get('type')}' has no default for it; set a value"
-            )
-        ctx.resolved[f"optimizer.params.{key}"] = params[key]
-
-
-def _resolve_scheduler_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
-    sched = raw.get("scheduler")
-    if not isinstance(sched, dict) or not isinstance(sched.get("params"), dict):
-        return
-    params = sched["params"]
-    opt = raw.get("optimizer")
-    opt_lr = ctx.client_hparams.get("lr")
-    if opt_lr is None and isinstance(opt, dict):
-        opt_lr = (opt.get("params") or {}).get("lr")
-    rules = {"warmup_max_lr": opt_lr, "warmup_min_lr": 0.0, "cycle_max_lr": opt_lr}
-    for key, value in params.items():
-        if _is_auto(value) and rules.get(key) is not None:
-            params[key] = rules[key]
-            ctx.resolved[f"scheduler.params.{key}"] = params[key]
-
-
-def _reject_remaining_auto(node: Any, where: str) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            path = f"{where}.{key}" if where else key
-            if _is_auto(value) and key not in _BATCH_KEYS:
-                raise ConfigError(
-                    f"cannot resolve config key '{path}' = \"auto\": slipstream resolves 'auto' "
-                    "only for batch sizes, optimizer hyperparameters, scheduler lr bounds, "
-                    "fp16/bf16.enabled and ZeRO bucket sizes; set an explicit value"
-                )
-            _reject_remaining_auto(value, path)
-
-
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
 def resolve_batch_sizes(
     train_batch_size: int | None,
     micro_batch: int | None,
@@ -367,7 +252,7 @@ def resolve_batch_sizes(
     tbs, mb, gas, dp = train_batch_size, micro_batch, grad_accum, dp_world_size
     if dp < 1:
         raise ConfigError(f"data-parallel world size must be >= 1, got {dp}")
-    for key, value in zip(_BATCH_KEYS, (tbs, mb, gas)):
+    for key, value in zip(BATCH_KEYS, (tbs, mb, gas)):
         if value is not None and value < 1:
             raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
     shown = (
@@ -412,7 +297,7 @@ def resolve_batch_sizes(
 
 def _batch_value(raw: dict[str, Any], key: str) -> int | None:
     value = raw.pop(key, None)
-    if value is None or _is_auto(value):
+    if value is None or is_auto(value):
         return None
     if (
         isinstance(value, bool)
@@ -440,6 +325,20 @@ def parse_config(
         ConfigError: unknown key (with did-you-mean), bad value, unresolvable ``"auto"``,
             inconsistent batch sizes, fp16 together with bf16.
     """
+    return resolve_batch(read_config(config, auto=auto), dp_world_size)
+
+
+def read_config(
+    config: SlipstreamConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    auto: AutoContext | None = None,
+) -> SlipstreamConfig:
+    """Everything ``parse_config`` does except the batch arithmetic, which needs the
+    data-parallel size, and that needs the mesh sizes this config holds: ``initialize``
+    reads the config once with this, builds the mesh, then calls ``resolve_batch``.
+
+    The batch keys keep the values given (None where absent or ``"auto"``).
+    """
     if isinstance(config, SlipstreamConfig):
         raw = config.model_dump(exclude_unset=True)
     else:
@@ -448,20 +347,31 @@ def parse_config(
     _apply_aliases(raw)
     _strip_not_yet_implemented(raw)
     _drop_null_monitors(raw)
-    batch = {k: _batch_value(raw, k) for k in _BATCH_KEYS}
-    _resolve_auto(raw, ctx)
+    batch = {k: _batch_value(raw, k) for k in BATCH_KEYS}
+    resolve_auto(raw, ctx)
     cfg: SlipstreamConfig = validate_model(SlipstreamConfig, raw, "")
-    tbs, mb, gas = resolve_batch_sizes(
-        batch[_BATCH_KEYS[0]], batch[_BATCH_KEYS[1]], batch[_BATCH_KEYS[2]], dp_world_size
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
+        batch[key] for key in BATCH_KEYS
     )
-    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = tbs, mb
-    cfg.gradient_accumulation_steps = gas
     _check_consistency(cfg)
     return cfg
 
 
+def resolve_batch(cfg: SlipstreamConfig, dp_world_size: int) -> SlipstreamConfig:
+    """Fill in the batch triple of a ``read_config`` result for ``dp_world_size`` ranks."""
+    tbs, mb, gas = resolve_batch_sizes(
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+        dp_world_size,
+    )
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = tbs, mb
+    cfg.gradient_accumulation_steps = gas
+    return cfg
+
+
 def _check_consistency(cfg: SlipstreamConfig) -> None:
-    """Cross-field rules and features that arrive with later issues."""
+    """Cross-field rules, and options slipstream accepts but does not honour yet (refused)."""
     check_parallel_config(cfg.pipeline)
     if cfg.tensor_parallel.sequence_parallel and cfg.activation_checkpointing.partition_activations:
         raise ConfigError(
@@ -494,7 +404,7 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
             if getattr(zero, key) != getattr(defaults, key):
                 raise ConfigError(
                     f"zero_optimization.{key} = {getattr(zero, key)!r} is not honoured yet by "
-                    f"slipstream's ZeRO-3 (issue 3): remove it or use the default "
+                    f"slipstream's ZeRO-3: remove it or use the default "
                     f"{getattr(defaults, key)!r}"
                 )
     if zero.offload_param is not None and zero.offload_param.enabled:
@@ -569,5 +479,5 @@ def _check_nonfinite_policy(cfg: SlipstreamConfig) -> None:
             f"{action} such steps (see 'nonfinite_gradients'); remove "
             "the key to silence this warning",
             UserWarning,
-            stacklevel=3,
+            stacklevel=_first_frame_outside_config(),
         )

@@ -84,14 +84,14 @@ class CheckpointConfig(StrictModel):
 
 # DeepSpeed top-level keys that slipstream knows but does not implement yet, with where they
 # land. A block whose "enabled" is false (or a trivial value) is accepted; anything else is an
-# error naming the issue, never a silent drop.
+# error saying so, never a silent drop.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
     "hybrid_engine": "the RLHF hybrid engine is not implemented yet",
     "flops_profiler": "the FLOPs profiler is not implemented yet",
     "amp": "Apex AMP is not supported; use bf16 or fp16",
     "torch_autocast": "torch_autocast is not implemented yet; use bf16 or fp16",
     "compile": "DeepCompile options are not implemented yet",
-    "aio": "NVMe I/O arrives with offload (issue 3)",
+    "aio": "the aio block (NVMe I/O tuning) is not supported; offload_optimizer.nvme_path works without it",
     "autotuning": "the autotuner is not implemented yet",
     "elasticity": "elastic training is not implemented yet",
     "compression_training": "compression training is not implemented yet",
@@ -146,7 +146,7 @@ class SlipstreamConfig(StrictModel):
     zero_allow_untested_optimizer: bool = False
     """Accept an optimizer class not known to be elementwise on flat ZeRO partitions."""
     zero_force_ds_cpu_optimizer: bool = True
-    """Accepted for compatibility (offload, issue 3)."""
+    """Accepted for compatibility (offload)."""
     prescale_gradients: bool = False
     """Divide gradients by ``gradient_predivide_factor`` before reduction."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)

@@ -12,7 +12,7 @@ __all__ = ["OffloadConfig", "ZeroConfig"]
 
 
 class OffloadConfig(StrictModel):
-    """``offload_optimizer`` / ``offload_param``: where states or parameters live (issue 3)."""
+    """``offload_optimizer`` / ``offload_param``: where states or parameters live."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
     """Target device; ``none`` disables offload."""
@@ -46,7 +46,7 @@ class ZeroConfig(StrictModel):
     Stage 0 replicates everything and all-reduces gradients; stage 1 partitions the
     optimizer states and fp32 master weights across data-parallel ranks; stage 2 also
     reduce-scatters gradients into per-rank partitions during backward; stage 3 also
-    partitions the parameters (issue 3).
+    partitions the parameters.
     """
 
     stage: int = Field(0, ge=0, le=3)
@@ -74,7 +74,7 @@ class ZeroConfig(StrictModel):
     ignore_unused_parameters: bool = True
     """Parameters that get no gradient are reduced as zeros instead of raising."""
     sub_group_size: int = Field(1_000_000_000, ge=1)
-    """Optimizer-step granularity in elements (offload, issue 3)."""
+    """Optimizer-step granularity in elements (offload)."""
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="prefetch_bucket_size")
     """Stage 3: elements prefetched ahead of use."""
     stage3_param_persistence_threshold: int = Field(
@@ -102,9 +102,9 @@ class ZeroConfig(StrictModel):
     stage3_allgather_sequential: bool = Field(False, alias="allgather_sequential")
     """Stage 3: gather parameters one at a time."""
     offload_param: OffloadConfig | None = None
-    """Parameter offload (stage 3 only; issue 3)."""
+    """Parameter offload (stage 3 only)."""
     offload_optimizer: OffloadConfig | None = None
-    """Optimizer-state offload (issue 3)."""
+    """Optimizer-state offload."""
     zero_hpz_partition_size: int = Field(1, ge=1)
     """ZeRO++ hpZ: ranks (consecutive, usually one node) sharing a secondary copy of the
     weights so the backward all-gather stays inside them; 1 disables."""

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from slipstream.distributed import comm
 
-__all__ = ["MESH_AXES", "ParallelDims", "build_mesh", "dp_group", "dp_sp_group"]
+__all__ = ["MESH_AXES", "DeviceMesh", "ParallelDims", "build_mesh", "dp_group", "dp_sp_group"]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 

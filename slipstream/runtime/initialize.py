@@ -15,15 +15,22 @@ import torch
 from torch import nn
 
 from slipstream._logging import log_rank0
-from slipstream.config import AutoContext, ConfigError, SlipstreamConfig, parse_config
-from slipstream.config.loader import load_config
+from slipstream.config import AutoContext, ConfigError, SlipstreamConfig
+from slipstream.config.loader import read_config, resolve_batch
 from slipstream.data.loader import build_dataloader
 from slipstream.distributed import comm
-from slipstream.distributed.mesh import ParallelDims, build_mesh, dp_group, dp_sp_group
+from slipstream.distributed.mesh import (
+    DeviceMesh,
+    ParallelDims,
+    build_mesh,
+    dp_group,
+    dp_sp_group,
+)
 from slipstream.distributed.topology import resolve_ranks_per_node
 from slipstream.parallel.pipeline import PipelineModule
 from slipstream.precision import LossScaler, PrecisionPolicy
 from slipstream.runtime.engine import Engine
+from slipstream.runtime.parallelize import axis_group, parallelize_
 from slipstream.runtime.pipeline_engine import PipelineEngine
 from slipstream.zero import StepPolicy, ZeroOptimizer, shard_zero_
 from slipstream.zero.init import (
@@ -93,17 +100,15 @@ def initialize(
         partition_meta_(model)
     # Which ranks share a node: the comm logger splits intra-node from cross-node bytes.
     comm.set_ranks_per_node(resolve_ranks_per_node(comm.get_world_size()))
-    dims = _parallel_dims(config, model)
+    client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    # The config is read once; the batch arithmetic waits for the data-parallel size, which
+    # the mesh sizes in the same config decide.
+    cfg = read_config(config, auto=_auto_context(model, client_opt))
+    dims = _parallel_dims(cfg, model)
     mesh = build_mesh(dims)
+    cfg = resolve_batch(cfg, dims.dp)
     group = dp_sp_group(mesh)  # ZeRO shards over every rank holding the same parameters
     device = _device()
-    if dims.sp > 1:
-        from slipstream.sequence import parallelize_sequence_
-
-        parallelize_sequence_(model, mesh.get_group("sp"))
-
-    client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    cfg = parse_config(config, dp_world_size=dims.dp, auto=_auto_context(model, client_opt))
     # Pipeline stages hold different layers: compare the model within a stage only.
     _check_ranks_agree(model, cfg, group if dims.pp > 1 else None)
     if cfg.seed is not None:
@@ -113,59 +118,20 @@ def initialize(
     policy = PrecisionPolicy.from_config(
         cfg.fp16, cfg.bf16, cfg.data_types, cfg.communication_data_type, model_dtype
     )
-    if is_partitioned_model(model):
-        # Built under zero.Init: each rank holds shards, which ZeRO re-lays or gathers.
-        for mod in model.modules():
-            for key, buf in mod._buffers.items():
-                if buf is not None and not buf.is_meta:
-                    mod._buffers[key] = buf.to(device)
-    else:
-        model.to(device)
-    if policy.param_dtype != model_dtype:
-        model.to(policy.param_dtype)
-    if dims.tp > 1:
-        from slipstream.parallel.random import model_parallel_manual_seed
-        from slipstream.parallel.tensor import parallelize_tp_
-
-        # Default stream equal on all TP ranks, the sharded-region stream different on each.
-        seed = cfg.seed if cfg.seed is not None else torch.initial_seed() % 2**62
-        model_parallel_manual_seed(seed, comm.get_rank(mesh.get_group("tp")))
-
-        parallelize_tp_(
-            model, mesh.get_group("tp"), sequence_parallel=cfg.tensor_parallel.sequence_parallel
-        )
-    if (
-        dims.pp > 1
-        or dims.tp > 1
-        or cfg.activation_checkpointing != type(cfg.activation_checkpointing)()
-    ):
-        from slipstream.parallel import recompute
-
-        recompute.configure(
-            mesh.get_group("tp") if dims.tp > 1 else None, cfg.activation_checkpointing
-        )
-
+    _place_(model, device, policy.param_dtype)
+    parallelize_(model, cfg, mesh)
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
     zero_opt: ZeroOptimizer | None = None
     if make_optimizer is not None:
-        step = StepPolicy(
-            loss_scaler=LossScaler(cfg.fp16),
-            clip=cfg.gradient_clipping,
-            prescale_gradients=cfg.prescale_gradients,
-            predivide_factor=cfg.gradient_predivide_factor,
-            sub_group_size=cfg.zero_optimization.sub_group_size,
-            allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
-            swap_dir=_swap_dir(cfg, device),
-            offload_device=_offload_device(cfg, device),
-            pin_memory=bool(
-                cfg.zero_optimization.offload_optimizer is not None
-                and cfg.zero_optimization.offload_optimizer.pin_memory
-            ),
-            tp_group=mesh.get_group("tp") if dims.tp > 1 else None,
-            pp_group=mesh.get_group("pp") if dims.pp > 1 else None,
-        )
         zero_opt = shard_zero_(
-            model, group, cfg.zero_optimization, policy, groups, make_optimizer, step, device
+            model,
+            group,
+            cfg.zero_optimization,
+            policy,
+            groups,
+            make_optimizer,
+            _step_policy(cfg, mesh, device),
+            device,
         )
     elif is_partitioned_model(model):  # no optimizer (inference): gather in full
         unpartition_(model)
@@ -202,30 +168,11 @@ def initialize(
     return engine, zero_opt, loader, scheduler
 
 
-def _parallel_dims(config: Any, model: nn.Module) -> ParallelDims:
-    """Mesh sizes from the config (and a ``PipelineModule``'s stages); dp takes the rest.
-
-    Read before the full parse, which needs the data-parallel size for the batch arithmetic.
-    """
-    raw = config.model_dump() if isinstance(config, SlipstreamConfig) else load_config(config)
+def _parallel_dims(cfg: SlipstreamConfig, model: nn.Module) -> ParallelDims:
+    """Mesh sizes from the config (and a ``PipelineModule``'s stages); dp takes the rest."""
     world = comm.get_world_size()
-    tp_block = raw.get("tensor_parallel") or {}
-    pipe_block = raw.get("pipeline") or {}
-    sizes = {
-        "sequence_parallel_size": raw.get("sequence_parallel_size", 1),
-        "tensor_parallel.autotp_size": tp_block.get("autotp_size", 1),
-        "pipeline.stages": pipe_block.get("stages", pipe_block.get("num_stages")),
-        "data_parallel_size": raw.get("data_parallel_size"),
-    }
-    for key, value in sizes.items():
-        if value is None or value == "auto":
-            sizes[key] = None
-        elif isinstance(value, float) and value.is_integer() and value >= 1:
-            sizes[key] = int(value)  # JSON has one number type (as the typed config accepts)
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
-    stages = _pipeline_stages(model, sizes["pipeline.stages"])
-    sp, tp = sizes["sequence_parallel_size"] or 1, sizes["tensor_parallel.autotp_size"] or 1
+    stages = _pipeline_stages(model, cfg.pipeline.stages)
+    sp, tp = cfg.sequence_parallel_size, cfg.tensor_parallel.autotp_size
     others = sp * tp * stages
     if world % others:
         raise ConfigError(
@@ -233,7 +180,7 @@ def _parallel_dims(config: Any, model: nn.Module) -> ParallelDims:
             f"stages={stages} = {others} does not divide the world size {world}: choose sizes "
             "whose product divides the number of processes"
         )
-    dp = sizes["data_parallel_size"]
+    dp = cfg.data_parallel_size
     if dp is not None and dp * others != world:
         raise ConfigError(
             f"config key 'data_parallel_size' = {dp}, but world {world} / (sp {sp} x tp {tp} "
@@ -246,6 +193,38 @@ def _parallel_dims(config: Any, model: nn.Module) -> ParallelDims:
             "(tensor_parallel.sequence_parallel: true) or one of the two"
         )
     return ParallelDims(world_size=world, sp=sp, tp=tp, pp=stages)
+
+
+def _place_(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move ``model`` to ``device`` and the training dtype (a ``zero.Init`` model: its
+    buffers; its parameter shards are laid out by ZeRO)."""
+    if is_partitioned_model(model):
+        for mod in model.modules():
+            for key, buf in mod._buffers.items():
+                if buf is not None and not buf.is_meta:
+                    mod._buffers[key] = buf.to(device)
+    else:
+        model.to(device)
+    if _floating_dtype(model) != dtype:
+        model.to(dtype)
+
+
+def _step_policy(cfg: SlipstreamConfig, mesh: DeviceMesh, device: torch.device) -> StepPolicy:
+    """The optimizer step's policy (loss scaling, clipping, offload) from the config."""
+    off = cfg.zero_optimization.offload_optimizer
+    return StepPolicy(
+        loss_scaler=LossScaler(cfg.fp16),
+        clip=cfg.gradient_clipping,
+        prescale_gradients=cfg.prescale_gradients,
+        predivide_factor=cfg.gradient_predivide_factor,
+        sub_group_size=cfg.zero_optimization.sub_group_size,
+        allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
+        swap_dir=_swap_dir(cfg, device),
+        offload_device=_offload_device(cfg, device),
+        pin_memory=bool(off is not None and off.pin_memory),
+        tp_group=axis_group(mesh, "tp"),
+        pp_group=axis_group(mesh, "pp"),
+    )
 
 
 def _pipeline_stages(model: nn.Module, configured: int | None) -> int:

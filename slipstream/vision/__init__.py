@@ -17,6 +17,7 @@ Public API::
     tokenize, train_segmenter, evaluate_dice, oracle_dice  # adaptive vs uniform runs
 """
 
+from slipstream.vision.canny import canny, gaussian_blur, gaussian_kernel_sigma, to_grey
 from slipstream.vision.data import (
     bundled_image,
     horse_mask,
@@ -27,7 +28,6 @@ from slipstream.vision.data import (
     synthetic_blobs,
     tile,
 )
-from slipstream.vision.edges import canny, gaussian_blur, gaussian_kernel_sigma, to_grey
 from slipstream.vision.losses import bce_dice_loss, dice_score, soft_dice_loss
 from slipstream.vision.patcher import AdaptivePatcher, APFConfig, PatchBatch
 from slipstream.vision.quadtree import (

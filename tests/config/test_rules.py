@@ -25,7 +25,7 @@ def test_fp16_and_bf16_both_enabled_rejected() -> None:
 
 
 def test_stage_3_accepted() -> None:
-    """ZeRO stage 3 parses (offload, which also arrives with issue 3, is still refused)."""
+    """ZeRO stage 3 parses."""
     assert parse_config(_cfg(zero_optimization={"stage": 3})).zero_optimization.stage == 3
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.vision import canny, gaussian_blur, gaussian_kernel_sigma, to_grey
-from slipstream.vision.edges import _hysteresis
+from slipstream.vision.canny import _hysteresis
 
 
 def _ref_canny(img: np.ndarray, sigma: float, lo: float, hi: float) -> np.ndarray:

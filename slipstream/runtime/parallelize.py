@@ -1,0 +1,53 @@
+"""The order in which ``initialize`` parallelizes a model, in one place.
+
+1. Tensor parallelism splits each layer's matrices over the ``tp`` axis (the model-parallel
+   RNG streams are seeded first, so dropout in the split regions differs per TP rank while
+   the replicated regions stay equal).
+2. Sequence parallelism (Ulysses / LSS) binds the attention to the ``sp`` axis.
+3. Activation checkpointing is configured with the TP group, which partitioned activations
+   and the RNG replay need.
+4. ZeRO comes last (``slipstream.zero.shard_zero_``, called by ``initialize`` once the
+   optimizer is planned): it shards whatever parameters the steps above left, so a TP shard
+   is ZeRO-sharded again over the data-parallel ranks and never the other way round.
+
+Each step changes the model in place and keeps parameter objects and names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.config import SlipstreamConfig
+from slipstream.distributed import comm
+from slipstream.distributed.mesh import DeviceMesh
+from slipstream.parallel import recompute
+from slipstream.parallel.random import model_parallel_manual_seed
+from slipstream.parallel.tensor import parallelize_tp_
+from slipstream.sequence import parallelize_sequence_
+
+__all__ = ["axis_group", "parallelize_"]
+
+
+def axis_group(mesh: DeviceMesh, axis: str) -> comm.Group:
+    """The process group of mesh ``axis``, or None when the axis has one rank."""
+    return mesh.get_group(axis) if mesh[axis].size() > 1 else None
+
+
+def parallelize_(model: nn.Module, cfg: SlipstreamConfig, mesh: DeviceMesh) -> None:
+    """Apply tensor, sequence and activation-checkpointing parallelism to ``model`` in
+    place, in that order (ZeRO follows in ``initialize``)."""
+    tp, sp = axis_group(mesh, "tp"), axis_group(mesh, "sp")
+    if tp is not None:
+        # Default stream equal on all TP ranks, the sharded-region stream different on each.
+        seed = cfg.seed if cfg.seed is not None else torch.initial_seed() % 2**62
+        model_parallel_manual_seed(seed, comm.get_rank(tp))
+        parallelize_tp_(model, tp, sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+    if sp is not None:
+        parallelize_sequence_(model, sp)
+    if (
+        mesh["pp"].size() > 1
+        or tp is not None
+        or cfg.activation_checkpointing != type(cfg.activation_checkpointing)()
+    ):
+        recompute.configure(tp, cfg.activation_checkpointing)
