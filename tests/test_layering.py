@@ -26,7 +26,7 @@ FLOORS: list[set[str]] = [
     {"zero"},
     {"models", "checkpoint"},
     {"runtime"},
-    {"quant", "vision", "diffusion", "recsys", "science", "inference", "rlhf"},
+    {"quant", "vision", "diffusion", "recsys", "science", "inference", "rlhf", "planner"},
     # DeepSpeed's import paths, each a thin re-export of the units above.
     {"comm", "pipe", "checkpointing", "utils", "ops"},
     {""},  # slipstream/__init__.py, the public facade
