@@ -26,7 +26,9 @@ FLOORS: list[set[str]] = [
     {"zero"},
     {"models", "checkpoint"},
     {"runtime"},
-    {"quant", "vision", "diffusion", "recsys", "science", "inference", "rlhf", "planner"},
+    {"quant", "vision", "diffusion", "recsys", "science"},
+    {"inference", "planner"},  # inference runs quantized models; the planner reads quant too
+    {"rlhf", "multimodal"},  # RLHF generates with the inference engine and trains with runtime
     # DeepSpeed's import paths, each a thin re-export of the units above.
     {"comm", "pipe", "checkpointing", "utils", "ops"},
     {""},  # slipstream/__init__.py, the public facade
