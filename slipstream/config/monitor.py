@@ -12,7 +12,13 @@ from pydantic import Field
 
 from slipstream.config._base import StrictModel
 
-__all__ = ["CSVMonitorConfig", "CometConfig", "TensorBoardConfig", "WandbConfig"]
+__all__ = [
+    "CSVMonitorConfig",
+    "CometConfig",
+    "FlopsProfilerConfig",
+    "TensorBoardConfig",
+    "WandbConfig",
+]
 
 
 class TensorBoardConfig(StrictModel):
@@ -73,3 +79,27 @@ class CometConfig(StrictModel):
     """False stores the experiment locally (offline mode); None is Comet's default (online)."""
     mode: Literal["get", "create", "get_or_create"] | None = None
     """Continue an existing experiment, always create one, or either (Comet's default)."""
+
+
+class FlopsProfilerConfig(StrictModel):
+    """``flops_profiler``: profile one training step (``slipstream.profiling.flops``).
+
+    Rank 0 counts the forward and backward of the first micro-batch of step ``profile_step``,
+    prints the per-module table and the step's MFU, and from then on every step log line
+    carries the MFU of the steps since the last one.
+    """
+
+    enabled: bool = False
+    recompute_fwd_factor: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the forward recomputed in backward (activation checkpointing: 1.0 for full
+    recompute), added to the step's FLOPs."""
+    profile_step: int = Field(1, ge=0)
+    """The optimizer step to profile (counted from 0; 1 skips the first, warm-up step)."""
+    module_depth: int = Field(-1, ge=-1)
+    """Depth of the module tree printed; -1 prints all."""
+    top_modules: int = Field(1, ge=1)
+    """Modules listed per depth in the top-modules summary."""
+    detailed: bool = True
+    """Print the module tree (not only the summary)."""
+    output_file: str | None = None
+    """Write the profile to this file instead of stdout."""

@@ -10,6 +10,7 @@ from slipstream.config._base import StrictModel
 from slipstream.config.monitor import (
     CometConfig,
     CSVMonitorConfig,
+    FlopsProfilerConfig,
     TensorBoardConfig,
     WandbConfig,
 )
@@ -87,7 +88,6 @@ class CheckpointConfig(StrictModel):
 # error saying so, never a silent drop.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
     "hybrid_engine": "the RLHF hybrid engine is not implemented yet",
-    "flops_profiler": "the FLOPs profiler is not implemented yet",
     "amp": "Apex AMP is not supported; use bf16 or fp16",
     "torch_autocast": "torch_autocast is not implemented yet; use bf16 or fp16",
     "compile": "DeepCompile options are not implemented yet",
@@ -167,6 +167,8 @@ class SlipstreamConfig(StrictModel):
     """Weights & Biases monitor."""
     comet: CometConfig = Field(default_factory=CometConfig)
     """Comet ML monitor."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """FLOPs profiler of one step, then MFU in the step log."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint behaviour: tag validation, retention, the rank-arrival timeout."""
     seed: int | None = None

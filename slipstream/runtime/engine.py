@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from slipstream.precision import (
     skipped_step_message,
 )
 from slipstream.profiling.monitor import MonitorMaster
+from slipstream.runtime.step_profiler import StepProfiler
 from slipstream.runtime.timers import StepTimers
 from slipstream.zero import ZeroOptimizer, gathered_model, save_16bit_model
 
@@ -72,6 +73,12 @@ class Engine(nn.Module):
         self._window_loss: torch.Tensor | None = None  # sum of this window's micro losses
         self._window_micro = 0
         self._last_print = time.perf_counter()
+        self.flops_profiler: StepProfiler | None = None
+        if config.flops_profiler.enabled and comm.get_rank() == 0:
+            dtype = next((p.dtype for p in module.parameters()), torch.float32)
+            self.flops_profiler = StepProfiler(
+                config.flops_profiler, module, device, dtype, config.batch[2]
+            )
         comm.comm_counters.verbose = config.comms_logger.verbose
         if not config.comms_logger.prof_all:
             comm.comm_counters.prof_ops = set(config.comms_logger.prof_ops)
@@ -140,8 +147,13 @@ class Engine(nn.Module):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             inputs = tuple(_cast_floats(x, torch.float16) for x in inputs)
             kwargs = {k: _cast_floats(v, torch.float16) for k, v in kwargs.items()}
-        with self._timers.phase("forward"):
+        with self._timers.phase("forward"), self._profiled("forward"):
             return self.module(*inputs, **kwargs)
+
+    def _profiled(self, phase: str) -> AbstractContextManager[None]:
+        if self.flops_profiler is None:
+            return nullcontext()
+        return self.flops_profiler.phase(phase, self.global_steps)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss as ``backward`` would differentiate it (1/accumulation x loss scale)."""
@@ -171,7 +183,7 @@ class Engine(nn.Module):
         scaled = self.scale(loss)
         if not scale_wrt_gas and self.config.managed_gradient_accumulation:
             scaled = scaled * self.gradient_accumulation_steps()
-        with self._timers.phase("backward"):
+        with self._timers.phase("backward"), self._profiled("backward"):
             scaled.backward(retain_graph=retain_graph)
             self._require_optimizer().reducer.wait()
         return loss
@@ -185,7 +197,7 @@ class Engine(nn.Module):
         opt = self._require_optimizer()
         error: NonFiniteGradientError | None = None
         if self.is_gradient_accumulation_boundary():
-            with self._timers.phase("step"):
+            with self._timers.phase("step"), self._profiled("step"):
                 self._step_applied = opt.step()
             # As DeepSpeed: a skipped step leaves the lr schedule alone but counts as a step.
             if self._step_applied:
@@ -194,6 +206,8 @@ class Engine(nn.Module):
             else:
                 self.skipped_steps += 1
                 error = self._report_skipped_step(opt)
+            if self.flops_profiler is not None:
+                self.flops_profiler.after_step(self.global_steps)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             if self.monitor.active:
@@ -362,14 +376,16 @@ class Engine(nn.Module):
         if not every or self.global_steps % every:
             return
         now = time.perf_counter()
-        rate = every * self.train_batch_size() / max(now - self._last_print, 1e-9)
-        self._last_print = now
+        elapsed, self._last_print = now - self._last_print, now
+        rate = every * self.train_batch_size() / max(elapsed, 1e-9)
         loss = float(self._last_loss) if self._last_loss is not None else float("nan")
         norm = self.get_global_grad_norm()
         msg = (
             f"step={self.global_steps} loss={loss:.4f} lr={self.get_lr()} "
             f"grad_norm={norm if norm is None else round(norm, 4)} samples/s={rate:.1f}"
         )
+        if self.flops_profiler is not None:
+            msg += self.flops_profiler.mfu_report(every, elapsed)
         if self.config.wall_clock_breakdown:
             msg += " | " + self._timers.report(every)
         log_rank0(msg)
