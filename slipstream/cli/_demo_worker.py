@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -14,6 +15,7 @@ from slipstream.cli._rank_entry import die_with_launcher
 from slipstream.cli.demo import add_worker_arguments
 from slipstream.data import ByteTokenizer, TokenDataset, encode_corpus, load_corpus, split_train_val
 from slipstream.models import GPT, GPTConfig
+from slipstream.profiling.plots import plot_run
 
 
 def _config(args: argparse.Namespace, bf16: bool) -> dict[str, object]:
@@ -36,6 +38,14 @@ def _config(args: argparse.Namespace, bf16: bool) -> dict[str, object]:
         "zero_optimization": {"stage": args.zero_stage, "overlap_comm": True},
         "bf16": {"enabled": bf16},
         "seed": args.seed,
+        # Curves for `slipstream plot`: the engine's loss and lr, and the scalars main() adds.
+        "csv_monitor": {"enabled": True, "output_path": args.run_dir, "job_name": "demo"},
+        "flops_profiler": {
+            "enabled": True,
+            "profile_step": 2,
+            "detailed": False,
+            "output_file": os.path.join(args.run_dir, "flops_profile.txt"),
+        },
     }
 
 
@@ -53,6 +63,24 @@ def _evaluate(engine: slipstream.Engine, data: TokenDataset, batches: int, batch
     dist.all_reduce(total)
     engine.train()
     return float(total) / (batches * world)
+
+
+def _write_step_scalars(engine: slipstream.Engine, seconds: float, tokens: int) -> None:
+    """User scalars of one optimizer step that took ``seconds`` for ``tokens`` tokens, through
+    DeepSpeed's ``engine.monitor.write_events`` (rank 0 writes)."""
+    step = engine.global_samples
+    events = [("Train/Samples/tokens_per_sec", tokens / seconds, step)]
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        events.append(("Train/Samples/grad_norm", norm, step))
+    profiler = engine.flops_profiler
+    if profiler is not None and profiler.flops_per_step is not None:
+        peak = profiler.peak_flops()
+        if peak:
+            events.append(
+                ("Train/Samples/mfu", 100 * profiler.flops_per_step / seconds / peak, step)
+            )
+    engine.monitor.write_events(events)
 
 
 def main() -> None:
@@ -88,7 +116,7 @@ def main() -> None:
         bar = tqdm(total=args.steps, desc="training", unit="step", dynamic_ncols=True)
     step_times: list[float] = []
     epoch, it = 0, iter(loader)
-    start = time.perf_counter()
+    start = last_boundary = time.perf_counter()
     while engine.global_steps < args.steps:
         try:
             x, y = next(it)
@@ -102,7 +130,10 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         if engine.is_gradient_accumulation_boundary() or args.grad_accum == 1:
-            step_times.append(time.perf_counter() - t0)
+            now = time.perf_counter()
+            step_times.append(now - t0)
+            _write_step_scalars(engine, now - last_boundary, tokens_per_step)
+            last_boundary = now
         if bar is not None and engine.micro_steps % args.grad_accum == 0:
             median = sorted(step_times)[len(step_times) // 2] if step_times else math.nan
             bar.set_postfix(
@@ -120,6 +151,10 @@ def main() -> None:
             f"{engine.global_steps * tokens_per_step / elapsed:,.0f} tokens/s over {dist.get_world_size()} ranks",
             flush=True,
         )
+    if rank == 0:
+        engine.monitor.flush()
+        plots = plot_run(args.run_dir, os.path.join(args.run_dir, "plots"))
+        print(f"curves: {plots[-1]} (and {len(plots) - 1} more PNGs)", flush=True)
     # Every rank gathers the (ZeRO-3 partitioned) weights once; rank 0 samples with them.
     engine.eval()
     with engine.gathered_for_generation() as module:

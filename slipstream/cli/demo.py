@@ -7,6 +7,7 @@ the same launcher as ``slipstream run``, so the demo exercises the real multi-pr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -54,6 +55,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "--sample-tokens", type=int, default=200, help="tokens to sample at the end (default 200)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--run-dir",
+        default=os.path.join("runs", "demo"),
+        help="where the monitor CSVs, the FLOPs profile and the plots go (default runs/demo)",
+    )
 
 
 def demo_command(args: argparse.Namespace) -> int:
@@ -73,6 +79,7 @@ def demo_command(args: argparse.Namespace) -> int:
         f"--precision={args.precision}",
         f"--sample-tokens={args.sample_tokens}",
         f"--seed={args.seed}",
+        f"--run-dir={args.run_dir}",
     ]
     plan = LocalPlan(
         nproc=args.nproc,

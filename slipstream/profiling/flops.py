@@ -504,7 +504,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 @functools.cache
-def _measured_cpu_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+def _measured_cpu_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 10) -> float:
     """The best rate of an n x n x n matmul over a few runs (FLOPs = 2 n^3)."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)

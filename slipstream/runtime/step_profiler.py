@@ -96,6 +96,10 @@ class StepProfiler:
         prof.end_profile()
         self._done = True
 
+    def peak_flops(self) -> float | None:
+        """The device's peak FLOP/s in the training dtype (None when unknown)."""
+        return device_peak_flops(self.device, self.dtype)
+
     def mfu_report(self, steps: int, seconds: float) -> str:
         """``TFLOPS=... MFU=...`` for ``steps`` optimizer steps taking ``seconds``."""
         if self.flops_per_step is None or seconds <= 0:

@@ -10,10 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_demo_tiny_runs_end_to_end():
+def test_demo_tiny_runs_end_to_end(tmp_path: Path) -> None:
+    """... and leaves its curves (CSV monitor, PNG plots) and the FLOPs profile in --run-dir."""
+    run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream.cli.main", "demo", "--preset", "tiny", "--steps", "30",
-         "--seq-len", "64", "--sample-tokens", "20", "--nproc", "2"],
+         "--seq-len", "64", "--sample-tokens", "20", "--nproc", "2", "--run-dir", str(run)],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -24,3 +26,7 @@ def test_demo_tiny_runs_end_to_end():
     before, after = float(match.group(1)), float(match.group(2))
     assert after < before - 0.5, (before, after)
     assert "sample:\ndef " in out
+    assert (run / "plots" / "summary.png").is_file()
+    assert (run / "demo" / "Train_Samples_train_loss.csv").is_file()
+    assert (run / "demo" / "Train_Samples_mfu.csv").is_file()
+    assert "Profile summary at step 2" in (run / "flops_profile.txt").read_text()
