@@ -1,0 +1,92 @@
+"""Memory terms against values computed by hand from Korthikanti et al. 2022 and ZeRO."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.planner import Layout, model_preset, predict_memory
+from slipstream.planner.memory import (
+    activation_bytes_per_layer,
+    in_flight_micro_batches,
+    stage_params,
+)
+
+M = model_preset("megatron-22b")  # h=6144, a=64, s=2048
+S, H, A = 2048, 6144, 64
+
+
+@pytest.mark.parametrize(
+    ("recompute", "sp", "expected"),
+    [
+        ("none", False, S * H * (10 + 24 / 8) + 5 * A * S * S / 8),
+        ("none", True, S * H * 34 / 8 + 5 * A * S * S / 8),
+        ("selective", False, S * H * (10 + 24 / 8)),
+        ("selective", True, S * H * 34 / 8),
+        ("full", False, 2 * S * H),
+        ("full", True, 2 * S * H / 8),
+    ],
+)
+def test_activation_bytes_per_layer(recompute: str, sp: bool, expected: float) -> None:
+    """Korthikanti et al. 2022, Table 2, at t = 8 and one sequence."""
+    layout = Layout(tp=8, recompute=recompute, sequence_parallel=sp)  # type: ignore[arg-type]
+    assert activation_bytes_per_layer(M, layout) == pytest.approx(expected)
+
+
+def test_activations_scale_with_the_micro_batch() -> None:
+    one = activation_bytes_per_layer(M, Layout(tp=8, micro_batch=1))
+    assert activation_bytes_per_layer(M, Layout(tp=8, micro_batch=4)) == pytest.approx(4 * one)
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        (Layout(pp=1, global_batch=8), 1.0),
+        (Layout(pp=4, global_batch=16), 4.0),
+        (Layout(pp=4, global_batch=2), 2.0),
+        (Layout(pp=4, virtual_stages=2, global_batch=16), 4 * (1 + 3 / 8)),
+        (Layout(pp=4, gpipe=True, global_batch=16), 16.0),
+    ],
+)
+def test_in_flight_micro_batches(layout: Layout, expected: float) -> None:
+    assert in_flight_micro_batches(layout) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("stage", "bytes_per_param"),
+    [(0, 2 + 4 + 12), (1, 2 + 4 + 12 / 4), (2, 2 + (4 + 12) / 4), (3, (2 + 4 + 12) / 4)],
+)
+def test_zero_states_per_param(stage: int, bytes_per_param: float) -> None:
+    """Mixed-precision Adam with fp32 gradients: 2 + 4 + 12 bytes, divided as ZeRO does."""
+    layout = Layout(tp=8, dp=4, zero_stage=stage, recompute="full")
+    mem = predict_memory(M, layout)
+    numel = stage_params(M, layout, "only")
+    assert numel % 4 == 0
+    assert mem.params + mem.grads + mem.optimizer == bytes_per_param * numel
+
+
+def test_stage_params_split_matrices_and_vocabulary() -> None:
+    """Per TP rank: (12h^2 + 9h)/t + 4h per layer (norms replicated), V h / t words, s h
+    positions, final norm 2h."""
+    numel = stage_params(M, Layout(tp=8), "only")
+    per_layer = (12 * H * H + 9 * H) // 8 + 4 * H
+    assert numel == 48 * per_layer + 51200 * H // 8 + S * H + 2 * H
+
+
+def test_hpz_adds_a_secondary_copy() -> None:
+    base = Layout(tp=1, dp=16, zero_stage=3, recompute="full")
+    hpz = Layout(tp=1, dp=16, zero_stage=3, recompute="full", hpz_partition_size=8)
+    plain, secondary = predict_memory(M, base), predict_memory(M, hpz)
+    assert secondary.hpz_secondary == pytest.approx(2 * M.num_params() / 8, rel=1e-6)
+    assert secondary.params - plain.params == secondary.hpz_secondary
+
+
+def test_first_stage_holds_p_micro_batches() -> None:
+    """With 1F1B the first stage keeps p micro-batches of its l/p layers."""
+    layout = Layout(tp=8, pp=4, global_batch=16, recompute="full")
+    mem = predict_memory(M, layout)
+    stored = 12 * 4 * activation_bytes_per_layer(M, layout)
+    working = activation_bytes_per_layer(M, layout, stored=False) - activation_bytes_per_layer(
+        M, layout
+    )
+    assert mem.stage == "first"
+    assert mem.activations == int(stored + working + S * H * 4)  # + embedding dropout mask
