@@ -28,7 +28,7 @@ from slipstream.planner.predict import Prediction, predict
 __all__ = ["SearchResult", "search", "valid_tp_sizes"]
 
 _MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-_VIRTUAL = (1, 2, 4, 8)
+_MAX_VIRTUAL = 8
 _RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
 
 
@@ -76,7 +76,8 @@ def _candidates(
             if world % (tp * pp):
                 continue
             dp = world // (tp * pp)
-            for v in _options(fixed, "virtual_stages", _VIRTUAL if pp > 1 else (1,)):
+            chunks = range(1, _MAX_VIRTUAL + 1) if pp > 1 else (1,)
+            for v in _options(fixed, "virtual_stages", chunks):
                 if model.layers % (pp * v) or (v > 1 and pp == 1):
                     continue
                 for b in _options(fixed, "micro_batch", _MICRO_BATCHES):
