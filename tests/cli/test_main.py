@@ -16,7 +16,9 @@ def test_plain_text_drops_roles_and_literals():
     assert plain_text(doc) == "slipstream run: see slipstream.cli._multinode and a.b (x)."
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["report"], ["convert"], ["quant"], ["plot"], ["demo"]])
+@pytest.mark.parametrize(
+    "command", [[], ["run"], ["report"], ["convert"], ["quant"], ["plot"], ["demo"]]
+)
 def test_help_has_no_restructuredtext(command, capsys):
     with pytest.raises(SystemExit) as done:
         main([*command, "--help"])
