@@ -3,20 +3,23 @@
 ``import slipstream as deepspeed`` keeps DeepSpeed scripts working: ``initialize``,
 ``init_distributed``, ``comm``, ``checkpointing`` (activation checkpointing),
 ``add_config_arguments``, ``slipstream.pipe`` and ``slipstream.PipelineModule`` (pipeline
-modules) and the engine's methods.
+modules), ``accelerator``, ``ops.adam``, ``utils``, ``OnDevice`` and the engine's methods.
+With ``SLIPSTREAM_AS_DEEPSPEED=1`` even ``import deepspeed`` is slipstream
+(docs/compatibility.md).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from slipstream import checkpointing, comm, pipe, utils, zero
+from slipstream import accelerator, checkpointing, comm, ops, pipe, utils, zero
+from slipstream.comm import init_distributed
 from slipstream.config import ConfigError, SlipstreamConfig
-from slipstream.distributed.comm import init_distributed
 from slipstream.pipe import PipelineModule
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
-from slipstream.version import __version__
+from slipstream.utils import OnDevice, log_dist, logger
+from slipstream.version import DEEPSPEED_VERSION, __version__
 
 DeepSpeedEngine = Engine
 DeepSpeedConfig = SlipstreamConfig
@@ -26,18 +29,24 @@ __version_major__, __version_minor__, __version_patch__ = (
 )
 
 __all__ = [
+    "DEEPSPEED_VERSION",
     "ConfigError",
     "DeepSpeedConfig",
     "DeepSpeedEngine",
     "Engine",
+    "OnDevice",
     "PipelineModule",
     "SlipstreamConfig",
     "__version__",
+    "accelerator",
     "add_config_arguments",
     "checkpointing",
     "comm",
     "init_distributed",
     "initialize",
+    "log_dist",
+    "logger",
+    "ops",
     "pipe",
     "utils",
     "zero",

@@ -85,6 +85,24 @@ def _set_deepspeed_env() -> None:
         os.environ.setdefault("CROSS_SIZE", str(int(world) // int(local)))
 
 
+def _bind_cores() -> None:
+    """``--bind_cores_to_rank``: pin this rank to its share of the launcher's core list and
+    size OpenMP to it (DeepSpeed's split: equal consecutive shares in local-rank order)."""
+    listed = os.environ.get("SLIPSTREAM_BIND_CORES")
+    if not listed:
+        return
+    cores = [int(c) for c in listed.split(",")]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    per_rank = len(cores) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mine = cores[per_rank * local_rank : per_rank * (local_rank + 1)]
+    try:
+        os.sched_setaffinity(0, mine)
+    except OSError as err:
+        msg = f"--bind_cores_to_rank: rank {local_rank} cannot use cores {mine}: {err}"
+        raise SystemExit(msg) from None
+    os.environ["OMP_NUM_THREADS"] = str(per_rank)
+
+
 def _record_exception(exc: BaseException) -> None:
     """Write ``exc`` to the torchelastic error file (same JSON as torch's ErrorHandler)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -114,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--no_local_rank" not in opts:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     _set_deepspeed_env()
+    _bind_cores()
     if "--exec" in opts:
         os.execvp(target, [target, *args])
     try:

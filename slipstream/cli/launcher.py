@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slipstream.cli._binding import BIND_CORES_ENV, plan_core_binding
 from slipstream.cli._failures import classify_failures, format_report, track_worker_stops
 from slipstream.cli._hostfile import (
     LaunchError,
@@ -45,9 +46,17 @@ from slipstream.cli._multinode import (
 from slipstream.cli._rank_entry import LAUNCHER_PID_ENV
 from slipstream.distributed.comm import COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT_S
 
-__all__ = ["DEFAULT_HOSTFILE", "LocalPlan", "add_parser", "launch_local", "run_command"]
+__all__ = [
+    "AS_DEEPSPEED_ENV",
+    "DEFAULT_HOSTFILE",
+    "LocalPlan",
+    "add_parser",
+    "launch_local",
+    "run_command",
+]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
+AS_DEEPSPEED_ENV = "SLIPSTREAM_AS_DEEPSPEED"  # read by _slipstream_as_deepspeed at startup
 DEFAULT_MASTER_PORT = 29500
 _STATIC_RUN_ID = "slipstream"  # static rendezvous: every node must use the same id
 _RANK_ENTRY = str(Path(__file__).with_name("_rank_entry.py"))  # by path: see its docstring
@@ -107,6 +116,15 @@ def add_parser(subparsers: Any) -> None:
     how.add_argument("--ssh_port", type=int, default=None, help="ssh port on the remote hosts")
     how.add_argument("--enable_each_rank_log", metavar="DIR", default=None,
                      help="also write each rank's stdout/stderr under DIR")  # fmt: skip
+    how.add_argument("--bind_cores_to_rank", action="store_true",
+                     help="pin each local rank to an equal share of the cores (physical cores, "
+                     "or --bind_core_list) and set OMP_NUM_THREADS to that share")  # fmt: skip
+    how.add_argument("--bind_core_list", default=None, metavar="LIST",
+                     help="cores to share out with --bind_cores_to_rank, e.g. '0-3,8-11'")  # fmt: skip
+    how.add_argument("--as-deepspeed", "--as_deepspeed", dest="as_deepspeed",
+                     action="store_true",
+                     help="set SLIPSTREAM_AS_DEEPSPEED=1 for every rank: `import deepspeed` is "
+                     "slipstream there (docs/compatibility.md)")  # fmt: skip
     how.add_argument("--comm_timeout", metavar="SECONDS", type=float, default=None,
                      help=f"fail a collective that waits longer than this (sets "
                      f"{COMM_TIMEOUT_ENV} for every rank; default "
@@ -135,6 +153,8 @@ class LocalPlan:
     visible_devices: list[int] | None = None
     """Sets ``CUDA_VISIBLE_DEVICES`` for the workers (``--include/--exclude``)."""
     log_dir: str | None = None
+    bind_cores: list[int] | None = None
+    """``--bind_cores_to_rank``: the cores the local ranks split (``_binding``)."""
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -149,6 +169,10 @@ def run_command(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     _check_target(args)
     _set_comm_timeout(args.comm_timeout)
+    if args.as_deepspeed:
+        os.environ[AS_DEEPSPEED_ENV] = "1"  # SLIPSTREAM_* variables reach every node
+    if args.bind_core_list is not None and not args.bind_cores_to_rank:
+        raise LaunchError("--bind_core_list needs --bind_cores_to_rank (as in DeepSpeed)")
     if args.no_ssh:
         plan = _node_plan(args)
         if args.stop_on_stdin_eof:
@@ -238,6 +262,8 @@ def _plan(
         nproc=nproc, entrypoint=entrypoint, entry_args=entry_args, num_nodes=num_nodes,
         node_rank=node_rank, master_addr=args.master_addr, master_port=port,
         visible_devices=visible, log_dir=args.enable_each_rank_log,
+        bind_cores=plan_core_binding(args.bind_core_list, nproc) if args.bind_cores_to_rank
+        else None,
     )  # fmt: skip
 
 
@@ -276,8 +302,10 @@ def _stop_on_stdin_eof() -> None:
 
 
 def _launch_multinode(args: argparse.Namespace, resources: ResourceMap) -> int:
-    flags = [name for name in ("module", "no_python", "no_local_rank") if getattr(args, name)]
-    node_flags = [f"--{name}" for name in flags]
+    names = ("module", "no_python", "no_local_rank", "bind_cores_to_rank")
+    node_flags = [f"--{name}" for name in names if getattr(args, name)]
+    if args.bind_core_list is not None:  # each node splits its own cores
+        node_flags += ["--bind_core_list", args.bind_core_list]
     if args.enable_each_rank_log:
         node_flags += ["--enable_each_rank_log", args.enable_each_rank_log]
     master_addr = args.master_addr
@@ -336,6 +364,10 @@ def launch_local(plan: LocalPlan) -> int:
     _set_omp_threads(plan.nproc)
     if plan.visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.visible_devices))
+    if plan.bind_cores is not None:
+        os.environ[BIND_CORES_ENV] = ",".join(map(str, plan.bind_cores))
+        per_rank = len(plan.bind_cores) // plan.nproc
+        _say(f"binding each rank to {per_rank} of cores {plan.bind_cores} (OMP_NUM_THREADS)")
     if plan.num_nodes == 1 and plan.master_port is None and not plan.master_addr:
         # Like torchrun --standalone: the agent picks a free port, so jobs never collide.
         backend, endpoint, rdzv = "c10d", "localhost:0", {}

@@ -20,11 +20,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from slipstream._logging import log_rank0
 from slipstream.config._base import validate_model
 from slipstream.config._errors import ConfigError, type_error_message
 from slipstream.config.auto import AUTO, BATCH_KEYS, AutoContext, is_auto, resolve_auto
 from slipstream.config.parallel import check_parallel_config
-from slipstream.config.schema import NOT_YET_IMPLEMENTED, SlipstreamConfig
+from slipstream.config.schema import (
+    GRADIENT_CLIPPING_DEFAULT,
+    NOT_YET_IMPLEMENTED,
+    SlipstreamConfig,
+)
+from slipstream.version import DEEPSPEED_VERSION
 
 __all__ = ["AutoContext", "load_config", "parse_config", "resolve_batch_sizes"]
 
@@ -354,6 +360,8 @@ def read_config(
         batch[key] for key in BATCH_KEYS
     )
     _check_consistency(cfg)
+    if "gradient_clipping" not in raw:
+        _note_default_clipping()
     return cfg
 
 
@@ -368,6 +376,28 @@ def resolve_batch(cfg: SlipstreamConfig, dp_world_size: int) -> SlipstreamConfig
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = tbs, mb
     cfg.gradient_accumulation_steps = gas
     return cfg
+
+
+_clipping_default_noted = False
+
+
+def _note_default_clipping() -> None:
+    """Say once per process (on rank 0) that the absent key means clipping at 1.0.
+
+    DeepSpeed changed this default in 0.19.3, so a config written for an older DeepSpeed
+    now clips; the log line makes that visible instead of silent.
+    """
+    global _clipping_default_noted
+    if _clipping_default_noted:
+        return
+    _clipping_default_noted = True
+    log_rank0(
+        "config has no 'gradient_clipping': clipping the global gradient norm at %s, the "
+        "default of DeepSpeed %s (0.19.2 and earlier did not clip); set "
+        '"gradient_clipping": 0.0 to turn clipping off',
+        GRADIENT_CLIPPING_DEFAULT,
+        DEEPSPEED_VERSION,
+    )
 
 
 def _check_consistency(cfg: SlipstreamConfig) -> None:

@@ -23,6 +23,7 @@ from slipstream.config.precision import BF16Config, DataTypesConfig, FP16Config
 from slipstream.config.zero import ZeroConfig
 
 __all__ = [
+    "GRADIENT_CLIPPING_DEFAULT",
     "NOT_YET_IMPLEMENTED",
     "CommsLoggerConfig",
     "OptimizerConfig",
@@ -83,6 +84,12 @@ class CheckpointConfig(StrictModel):
     """Seconds to wait for every rank to enter save/load before naming the missing ranks."""
 
 
+# DeepSpeed clips the global gradient norm at 1.0 when the config has no "gradient_clipping"
+# key since 0.19.3 (deepspeedai/DeepSpeed#8068; 0.19.2 and earlier did not clip). slipstream
+# follows DeepSpeed 0.19.8 (slipstream.version.DEEPSPEED_VERSION): the same config must train
+# the same way. parse_config logs once when this default is applied.
+GRADIENT_CLIPPING_DEFAULT = 1.0
+
 # DeepSpeed top-level keys that slipstream knows but does not implement yet, with where they
 # land. A block whose "enabled" is false (or a trivial value) is accepted; anything else is an
 # error saying so, never a silent drop.
@@ -126,8 +133,9 @@ class SlipstreamConfig(StrictModel):
     """Optimizer built by ``initialize`` when no client optimizer is given."""
     scheduler: SchedulerConfig | None = None
     """LR scheduler built by ``initialize`` when no client scheduler is given."""
-    gradient_clipping: float = Field(0.0, ge=0.0)
-    """Clip the global gradient norm (over all ranks) to this value; 0 disables."""
+    gradient_clipping: float = Field(GRADIENT_CLIPPING_DEFAULT, ge=0.0)
+    """Clip the global gradient norm (over all ranks) to this value; 0 disables. Absent: 1.0,
+    DeepSpeed's default since 0.19.3 (it did not clip before)."""
     nonfinite_gradients: Literal["skip", "error"] = "skip"
     """(slipstream) What an optimizer step does when the global gradient norm is inf or nan
     (a non-finite loss or gradient on any rank) in fp32, bf16 or fp16 with a static loss

@@ -26,6 +26,7 @@ from slipstream.precision import (
     skipped_step_message,
 )
 from slipstream.profiling.monitor import MonitorMaster
+from slipstream.runtime._deepspeed_engine import DeepSpeedEngineAttributes
 from slipstream.runtime.step_profiler import StepProfiler
 from slipstream.runtime.timers import StepTimers
 from slipstream.zero import ZeroOptimizer, gathered_model, save_16bit_model
@@ -33,11 +34,12 @@ from slipstream.zero import ZeroOptimizer, gathered_model, save_16bit_model
 __all__ = ["Engine"]
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedEngineAttributes, nn.Module):
     """DeepSpeed-compatible engine around a module prepared by ``slipstream.initialize``.
 
     Use ``loss = engine(batch...)``, ``engine.backward(loss)``, ``engine.step()`` every
-    micro-step; the optimizer steps only on the accumulation boundary.
+    micro-step; the optimizer steps only on the accumulation boundary. Attributes the engine
+    lacks are looked up on the module (``DeepSpeedEngineAttributes``).
     """
 
     def __init__(
@@ -210,6 +212,7 @@ class Engine(nn.Module):
                 self.flops_profiler.after_step(self.global_steps)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self._tick_throughput()
             if self.monitor.active:
                 self._write_monitor()
             self._maybe_print()

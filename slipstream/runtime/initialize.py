@@ -29,6 +29,7 @@ from slipstream.distributed.mesh import (
 from slipstream.distributed.topology import resolve_ranks_per_node
 from slipstream.parallel.pipeline import PipelineModule
 from slipstream.precision import LossScaler, PrecisionPolicy
+from slipstream.runtime._foreign import refuse_real_deepspeed
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.parallelize import axis_group, parallelize_
 from slipstream.runtime.pipeline_engine import PipelineEngine
@@ -83,6 +84,7 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=: pass the nn.Module to train")
+    refuse_real_deepspeed(model, optimizer, lr_scheduler)
     if mpu is not None:
         raise ValueError(
             "mpu= (a Megatron model-parallel unit) is not accepted: slipstream builds its own "

@@ -14,11 +14,13 @@ small, which on CPU avoids a fresh mmap (and its page faults) for every temporar
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
@@ -28,7 +30,22 @@ from slipstream.zero.flat import Bucket, ParamStore
 from slipstream.zero.reducer import GradientReducer
 from slipstream.zero.swap import TensorSwapper
 
-__all__ = ["OPTIMIZER_CHUNK", "StepPolicy", "ZeroOptimizer"]
+__all__ = ["OPTIMIZER_CHUNK", "StepPolicy", "ZeroOptimizer", "owner_of"]
+
+# param -> (its ZeRO optimizer, bucket index, index in the bucket), for the DeepSpeed helpers
+# that take only a parameter (slipstream.utils.safe_get_full_fp32_param and friends). Weak
+# both ways: the table keeps neither parameters nor optimizers alive.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def owner_of(param: torch.Tensor) -> tuple[ZeroOptimizer, int, int] | None:
+    """The ZeRO optimizer that updates ``param``, its bucket and index; None if none does."""
+    entry = _OWNERS.get(param)
+    if entry is None:
+        return None
+    opt = entry[0]()
+    return None if opt is None else (opt, entry[1], entry[2])
+
 
 OPTIMIZER_CHUNK = 1 << 22
 
@@ -127,6 +144,10 @@ class ZeroOptimizer:
         for b, views in zip(self.buckets, self._views):
             groups[b.group_index]["params"].extend(views)
         self.optimizer = make_optimizer(groups)
+        me = weakref.ref(self)
+        for b_idx, owned in enumerate(self.buckets):
+            for i, p in enumerate(owned.params):
+                _OWNERS[p] = (me, b_idx, i)
         self._check_optimizer(step.allow_untested_optimizer)
         if optimizer_kind(type(self.optimizer)) == "elementwise":
             self._split_views(max(1, min(step.sub_group_size, OPTIMIZER_CHUNK)))

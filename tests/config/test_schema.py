@@ -179,9 +179,10 @@ def test_precision_defaults_match_deepspeed() -> None:
 
 
 def test_top_level_defaults() -> None:
-    """Top-level defaults: no clipping, predivide 1, managed accumulation, nothing enabled."""
+    """Top-level defaults: clip at 1.0 (DeepSpeed 0.19.8), predivide 1, managed accumulation,
+    nothing enabled."""
     cfg = SlipstreamConfig()
-    assert cfg.gradient_clipping == 0.0 and cfg.gradient_predivide_factor == 1.0
+    assert cfg.gradient_clipping == 1.0 and cfg.gradient_predivide_factor == 1.0
     assert cfg.managed_gradient_accumulation and cfg.zero_force_ds_cpu_optimizer
     assert not (cfg.prescale_gradients or cfg.sparse_gradients or cfg.wall_clock_breakdown)
     assert cfg.optimizer is None and cfg.scheduler is None and cfg.communication_data_type is None

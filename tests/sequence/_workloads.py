@@ -152,6 +152,7 @@ def _config(stage: int, sp: int, global_batch: int) -> dict[str, Any]:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "sequence_parallel_size": sp,
         "seed": 7,
+        "gradient_clipping": 0.0,  # the single-process reference does not clip
     }
 
 

@@ -94,6 +94,7 @@ def engine_params(kind: str) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": 0.0,  # the single-process AdamW reference does not clip
     }
     engine, opt, _, _ = slipstream.initialize(model=model, config=config)
     total = sum(p.ds_numel for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,150 @@
+"""DeepSpeed engine attributes that scripts read, kept out of ``engine.py``.
+
+``DeepSpeedEngineAttributes`` is mixed into ``Engine``: attribute look-ups that the engine does
+not answer fall through to the wrapped module (as DeepSpeed's engine does, so
+``engine.config`` of a Hugging Face model or ``engine.generate`` work), plus the small
+introspection surface DeepSpeed scripts use (``tput_timer``, ``world_size``,
+``mp_world_size``, ``steps_per_print()``, ``wall_clock_breakdown()``,
+``zero_optimization_partition_gradients()``, ``data_parallel_group``, ``save_fp16_model``,
+``empty_partition_cache``). Nothing here changes training.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from slipstream.distributed import comm
+from slipstream.distributed.mesh import dp_group
+
+if TYPE_CHECKING:
+    from slipstream.config.schema import SlipstreamConfig
+
+__all__ = ["DEEPSPEED_STEPS_PER_PRINT", "DeepSpeedEngineAttributes", "ThroughputTimer"]
+
+DEEPSPEED_STEPS_PER_PRINT = 10
+"""What DeepSpeed's ``steps_per_print()`` returns when the config has no such key."""
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: samples per second over optimizer steps, leaving out
+    the first ``start_step`` steps (warm-up, compilation, allocator growth).
+
+    The engine calls :meth:`tick` once per optimizer step.
+    """
+
+    def __init__(self, batch_size: int, start_step: int = 2) -> None:
+        self.batch_size = batch_size
+        self.start_step = start_step
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+        self._last: float | None = None
+
+    def tick(self) -> None:
+        """Mark the end of an optimizer step."""
+        now = time.perf_counter()
+        self.global_step_count += 1
+        if self._last is not None and self.global_step_count > self.start_step:
+            self.step_elapsed_time = now - self._last
+            self.total_elapsed_time += self.step_elapsed_time
+        self._last = now
+
+    def avg_samples_per_sec(self) -> float:
+        """Mean samples/s after the warm-up steps; ``-inf`` before any step was timed (as
+        DeepSpeed's)."""
+        timed = self.global_step_count - self.start_step
+        if timed <= 0 or self.total_elapsed_time <= 0:
+            return float("-inf")
+        return self.batch_size * timed / self.total_elapsed_time
+
+
+class DeepSpeedEngineAttributes:
+    """Mixin for ``Engine`` (an ``nn.Module`` holding the model as ``self.module``)."""
+
+    if TYPE_CHECKING:  # what the mixin uses of Engine
+        mesh: Any
+        config: SlipstreamConfig
+        optimizer: Any
+
+        def train_batch_size(self) -> int: ...
+        def zero_optimization_stage(self) -> int: ...
+        def save_16bit_model(
+            self, save_dir: str, save_filename: str = ..., exclude_frozen_parameters: bool = ...
+        ) -> bool: ...
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal look-up failed: nn.Module's registries, then the model.
+        try:
+            return nn.Module.__getattr__(self, name)  # type: ignore[arg-type]
+        except AttributeError:
+            pass
+        modules = self.__dict__.get("_modules", {})
+        inner = modules.get("module")
+        if inner is not None and not name.startswith("__"):
+            try:
+                return getattr(inner, name)
+            except AttributeError:
+                pass
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}', and neither has the "
+            f"wrapped module ({type(inner).__name__})"
+        )
+
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        timer = self.__dict__.get("_tput_timer")
+        if timer is None:
+            timer = ThroughputTimer(self.train_batch_size())
+            self.__dict__["_tput_timer"] = timer
+        return timer
+
+    def _tick_throughput(self) -> None:
+        self.tput_timer.tick()
+
+    @property
+    def world_size(self) -> int:
+        """All ranks of the job (DeepSpeed's ``engine.world_size``)."""
+        return comm.get_world_size()
+
+    @property
+    def mp_world_size(self) -> int:
+        """Tensor-parallel (model-parallel) ranks: DeepSpeed's ``mpu`` model-parallel size."""
+        names = self.mesh.mesh_dim_names or ()
+        return self.mesh["tp"].size() if "tp" in names else 1
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The process group over which gradients are averaged."""
+        return dp_group(self.mesh)
+
+    def steps_per_print(self) -> int:
+        """The config's ``steps_per_print``, else DeepSpeed's default 10 (slipstream logs no
+        step lines unless the key is set)."""
+        return self.config.steps_per_print or DEEPSPEED_STEPS_PER_PRINT
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Whether gradients are partitioned over the data-parallel ranks (stage 2 or 3)."""
+        return self.zero_optimization_stage() >= 2
+
+    def save_fp16_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's old name of ``save_16bit_model``."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
+    def empty_partition_cache(self) -> None:
+        """ZeRO-3: release every gathered parameter now (e.g. before generation outside
+        the engine); a no-op at stages 0-2."""
+        store = getattr(self.optimizer, "store", None)
+        release_all = getattr(store, "release_all", None)
+        if release_all is not None:
+            release_all()

@@ -1,0 +1,190 @@
+"""``deepspeed.utils.safe_get_full_*`` / ``safe_set_full_*``: whole fp32 values of a parameter.
+
+Under ZeRO a parameter's fp32 master, its reduced gradient and its optimizer states are split
+across the data-parallel ranks (stage 1-3; stage 0 keeps them whole). These helpers assemble
+the whole tensor from every rank's piece, or write a whole tensor back into every rank's piece.
+They are collective like DeepSpeed's: every data-parallel rank must call them with the same
+parameter (and, for the setters, the same value). A parameter no ZeRO optimizer updates (a
+frozen one, or before ``initialize``) gives None, as in DeepSpeed.
+
+Cost: one all-reduce of the parameter's size over the data-parallel group when its pieces
+are spread over ranks; none at stage 0 or for the setters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from slipstream.distributed import comm
+from slipstream.zero.flat import FlatStore
+from slipstream.zero.optimizer import ZeroOptimizer, owner_of
+
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+]
+
+
+@contextmanager
+def _resident(opt: ZeroOptimizer, b: int) -> Iterator[None]:
+    """Bucket ``b``'s master and states in memory (NVMe offload swaps them out between steps)."""
+    if opt.swapper is None:
+        yield
+        return
+    opt._swap_in(b)
+    try:
+        yield
+    finally:
+        opt._swap_out(b)
+
+
+def _extent(opt: ZeroOptimizer, b: int, i: int) -> tuple[int, int, int, int, torch.Size]:
+    """(param offset, this rank's [start, stop) of it, owned-region start, shape) in bucket
+    element coordinates."""
+    bucket = opt.buckets[b]
+    off, shape = bucket.offsets[i], bucket.shapes[i]
+    lo, hi = opt.store.owned_range(b)
+    return off, max(off, lo), min(off + shape.numel(), hi), lo, shape
+
+
+def _assemble(opt: ZeroOptimizer, full: torch.Tensor) -> torch.Tensor:
+    """Sum the per-rank pieces (each element is held by exactly one rank; the rest are 0)."""
+    if opt.partition:
+        comm.all_reduce(full, group=opt.group, label="safe_get_full")
+    return full
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """The whole fp32 master weight of ``param`` (its shape), from every rank's shard."""
+    found = owner_of(param)
+    if found is None:
+        return None
+    opt, b, i = found
+    off, s, e, lo, shape = _extent(opt, b, i)
+    with _resident(opt, b):
+        master = opt.masters[b]
+        full = torch.zeros(shape.numel(), dtype=master.dtype, device=master.device)
+        if s < e:
+            full[s - off : e - off] = master[s - lo : e - lo]
+    return _assemble(opt, full).view(shape)
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The whole data-parallel-averaged gradient of ``param`` after ``engine.backward`` at an
+    accumulation boundary, before ``engine.step`` (in the gradient accumulation dtype and,
+    under fp16, still multiplied by the loss scale, as DeepSpeed's)."""
+    found = owner_of(param)
+    if found is None:
+        return None
+    opt, b, i = found
+    opt.reducer.wait()
+    grad = opt.reducer.grad_shard(b)
+    off, s, e, lo, shape = _extent(opt, b, i)
+    full = torch.zeros(shape.numel(), dtype=grad.dtype, device=grad.device)
+    if s < e:
+        full[s - off : e - off] = grad[s - lo : e - lo]
+    return _assemble(opt, full).view(shape)
+
+
+def _state_pieces(
+    opt: ZeroOptimizer, b: int, i: int, key: str
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(slice of the flat parameter, the state tensor's matching part) for this rank's views."""
+    off, s, e, lo, _ = _extent(opt, b, i)
+    for view, chunk in zip(opt._views[b], opt._chunks[b]):
+        c0, c1 = lo + chunk.start, lo + chunk.stop  # the view in bucket coordinates
+        start, stop = max(c0, s), min(c1, e)
+        if start >= stop:
+            continue
+        value = opt.optimizer.state.get(view, {}).get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == view.numel():
+            yield slice(start - off, stop - off), value.view(-1)[start - c0 : stop - c0]
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    """The whole optimizer state ``optim_state_key`` (e.g. ``"exp_avg"``) of ``param``; None
+    if the optimizer keeps no such per-element state (before the first step, or a bad key)."""
+    found = owner_of(param)
+    if found is None:
+        return None
+    opt, b, i = found
+    shape = opt.buckets[b].shapes[i]
+    with _resident(opt, b):
+        pieces = list(_state_pieces(opt, b, i, optim_state_key))
+        ref = pieces[0][1] if pieces else opt.masters[b]
+        # One extra element counts the ranks that hold the state, in the same collective.
+        full = torch.zeros(shape.numel() + 1, dtype=ref.dtype, device=ref.device)
+        for where, value in pieces:
+            full[where] = value
+        full[-1] = 1.0 if pieces else 0.0
+    full = _assemble(opt, full)
+    if full[-1].item() == 0:
+        return None
+    return full[:-1].view(shape)
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``param``'s fp32 master and its training-dtype copy to ``value`` (its full shape).
+
+    Every rank writes its own piece from the same ``value``, so no communication is needed;
+    the model sees the new weight at the next forward.
+    """
+    found = owner_of(param)
+    if found is None:
+        raise ValueError(
+            f"safe_set_full_fp32_param: this parameter (shape {tuple(param.shape)}) is not "
+            "updated by a ZeRO optimizer (frozen, or called before initialize); set it directly"
+        )
+    opt, b, i = found
+    off, s, e, lo, shape = _extent(opt, b, i)
+    flat = _checked(value, shape, "safe_set_full_fp32_param").reshape(-1)
+    with torch.no_grad(), _resident(opt, b):
+        if s < e:
+            opt.masters[b][s - lo : e - lo] = flat[s - off : e - off]
+            opt.store.owned(b)[s - lo : e - lo] = flat[s - off : e - off]
+        if isinstance(opt.store, FlatStore):  # stages 0-2: every rank holds the whole bucket
+            opt.buckets[b].flat[off : off + shape.numel()] = flat
+
+
+def safe_set_full_optimizer_state(
+    param: torch.Tensor, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Set ``param``'s optimizer state ``optim_state_key`` to ``value`` (its full shape).
+
+    Raises:
+        KeyError: the optimizer holds no such state for this parameter yet (states appear
+            at the first step).
+    """
+    found = owner_of(param)
+    if found is None:
+        raise ValueError(
+            "safe_set_full_optimizer_state: this parameter is not updated by a ZeRO optimizer"
+        )
+    opt, b, i = found
+    shape = opt.buckets[b].shapes[i]
+    flat = _checked(value, shape, "safe_set_full_optimizer_state").reshape(-1)
+    with torch.no_grad(), _resident(opt, b):
+        pieces = list(_state_pieces(opt, b, i, optim_state_key))
+        _, s, e, _, _ = _extent(opt, b, i)
+        if s < e and not pieces:
+            raise KeyError(
+                f"optimizer state '{optim_state_key}' does not exist for this parameter: states "
+                "are created by the first optimizer step (exp_avg/exp_avg_sq for Adam)"
+            )
+        for where, target in pieces:
+            target.copy_(flat[where])
+
+
+def _checked(value: torch.Tensor, shape: torch.Size, fn: str) -> torch.Tensor:
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"{fn}: value has shape {tuple(value.shape)} but the parameter has shape "
+            f"{tuple(shape)}; pass the full (unpartitioned) tensor"
+        )
+    return value.detach()
