@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import logging
 import os
 import re
 import socket
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,11 +27,16 @@ import torch.distributed as dist
 
 from slipstream._logging import logger
 from slipstream.distributed._arrivals import arrivals
+from slipstream.distributed.counters import (
+    comm_counters,
+    log_summary,
+    set_ranks_per_node,
+    summary_table,
+)
 from slipstream.distributed.groups import (
     Group,
     axis_name,
     get_local_rank,
-    group_ranks,
     is_process_group,
     register_axis,
 )
@@ -78,96 +81,11 @@ __all__ = [
     "reduce_scatter_tensor",
     "register_axis",
     "send",
+    "set_ranks_per_node",
+    "summary_table",
 ]
 
 ReduceOp = dist.ReduceOp
-
-
-@dataclass
-class OpStats:
-    """Calls and message bytes of one collective on one axis."""
-
-    calls: int = 0
-    bytes: int = 0
-    cross_node_bytes: float = 0.0
-    """This rank's share of the bytes crossing node boundaries (see ``_cross_node_bytes``)."""
-
-
-class CommCounters:
-    """Per-(axis, op) counters; ``verbose`` logs every call."""
-
-    def __init__(self) -> None:
-        self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
-        self.enabled = True
-        self.verbose = False
-        self.prof_ops: set[str] | None = None
-
-    def record(self, op: str, group: Group, nbytes: int, label: str | None) -> None:
-        if not self.enabled or (self.prof_ops is not None and op not in self.prof_ops):
-            return
-        axis = axis_name(group)
-        entry = self.stats[(axis, op)]
-        entry.calls += 1
-        entry.bytes += nbytes
-        if _TOPOLOGY.get("ranks_per_node"):
-            entry.cross_node_bytes += _cross_node_bytes(op, group, nbytes)
-        if self.verbose:
-            logger.info("comm %s axis=%s bytes=%d label=%s", op, axis, nbytes, label or "-")
-
-    def bytes_by_axis(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for (axis, _), entry in self.stats.items():
-            out[axis] += entry.bytes
-        return dict(out)
-
-    def cross_node_bytes(self) -> float:
-        """This rank's share of cross-node bytes; summed over all ranks and divided by the
-        number of nodes it is the traffic over each node's boundary."""
-        return sum(e.cross_node_bytes for e in self.stats.values())
-
-    def reset(self) -> None:
-        self.stats.clear()
-
-
-comm_counters = CommCounters()
-
-
-_TOPOLOGY: dict[str, int] = {}
-
-
-def set_ranks_per_node(ranks_per_node: int) -> None:
-    """Declare how many consecutive global ranks share a node (enables cross-node counts)."""
-    _TOPOLOGY["ranks_per_node"] = ranks_per_node
-
-
-def _cross_node_bytes(op: str, group: Group, nbytes: int) -> float:
-    """Bytes of this collective that cross node boundaries, as this rank's share.
-
-    Model: all-gather, reduce-scatter and broadcast are rings over the group's ranks in rank
-    order (node-major), so each spanned node's boundary carries (k-1)/k of the full message;
-    all-reduce is a reduce-scatter plus an all-gather; an all-to-all sends 1/k of this rank's
-    input to each peer, and the part addressed to other nodes crosses. A ring's per-node
-    volume is split evenly over the node's ranks in the group, so summing every rank's share
-    and dividing by the node count gives the volume per node boundary.
-    """
-    if not is_initialized():
-        return 0.0
-    per_node = _TOPOLOGY["ranks_per_node"]
-    ranks = group_ranks(group)
-    k = len(ranks)
-    me = dist.get_rank()
-    nodes = {r // per_node for r in ranks}
-    if k == 1 or len(nodes) == 1:
-        return 0.0
-    mates = sum(r // per_node == me // per_node for r in ranks)
-    if op == "all_to_all":
-        return nbytes / k * sum(r // per_node != me // per_node for r in ranks)
-    ring = (k - 1) / k * nbytes / mates
-    if op == "all_reduce":
-        return 2 * ring
-    if op in ("all_gather", "reduce_scatter", "broadcast"):
-        return ring
-    return 0.0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -652,22 +570,3 @@ def check_same_across_ranks(value: Any, what: str, group: Group = None) -> None:
             f"{what} differs between ranks (groups that agree: {parts}); this rank "
             f"({get_rank()}) has {value!r:.300}. Every rank must build the same {what}"
         )
-
-
-def log_summary(reset: bool = False) -> dict[str, dict[str, dict[str, int]]]:
-    """Log (rank 0) and return the per-axis, per-op call and byte counts since start/reset."""
-    table: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
-    for (axis, op), entry in sorted(comm_counters.stats.items()):
-        table[axis][op] = {"calls": entry.calls, "bytes": entry.bytes}
-    if get_rank() == 0:
-        lines = [
-            "communication summary (this rank):",
-            f"{'axis':<14}{'op':<20}{'calls':>8}{'MB':>12}",
-        ]
-        for axis, ops in table.items():
-            for op, s in ops.items():
-                lines.append(f"{axis:<14}{op:<20}{s['calls']:>8}{s['bytes'] / 2**20:>12.2f}")
-        logger.log(logging.INFO, "\n".join(lines))
-    if reset:
-        comm_counters.reset()
-    return dict(table)

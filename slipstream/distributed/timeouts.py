@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,8 @@ __all__ = [
     "comm_timeout",
     "issue",
     "note_timeout_in_use",
+    "on_complete",
+    "set_device_sync",
 ]
 
 Group = dist.ProcessGroup | None
@@ -133,31 +136,70 @@ def _raise_if_timed_out(err: RuntimeError, call: Call) -> None:
     raise CollectiveTimeoutError(_explain_timeout(call)) from err
 
 
+Listener = Callable[[Call, float], None]
+_LISTENERS: list[Listener] = []
+_DEVICE_SYNC: list[Callable[[], None]] = []
+
+
+def on_complete(listener: Listener) -> None:
+    """Call ``listener(call, seconds)`` when a collective completes: a synchronous call when
+    it returns, an asynchronous one when its ``wait()`` returns (seconds since it was issued;
+    work never waited on is not reported)."""
+    _LISTENERS.append(listener)
+
+
+def set_device_sync(sync: Callable[[], None] | None) -> None:
+    """Synchronize the device around every collective (``sync``), so the reported seconds
+    are the collective's own on an accelerator whose calls return before they finish; None
+    turns it off (the default: it serializes compute and communication)."""
+    _DEVICE_SYNC[:] = [] if sync is None else [sync]
+
+
+def _report(call: Call, start: float) -> None:
+    for sync in _DEVICE_SYNC:
+        sync()
+    elapsed = time.perf_counter() - start
+    for listener in _LISTENERS:
+        listener(call, elapsed)
+
+
 class _Watched:
     """An async call's Work whose ``wait()`` explains a timeout; anything else is forwarded."""
 
-    def __init__(self, work: dist.Work, call: Call) -> None:
-        self.work, self.call = work, call
+    def __init__(self, work: dist.Work, call: Call, start: float) -> None:
+        self.work, self.call, self.start = work, call, start
+        self._reported = False
 
     def wait(self, *args: Any) -> bool:
         try:
-            return bool(self.work.wait(*args))
+            done = bool(self.work.wait(*args))
         except RuntimeError as err:
             _raise_if_timed_out(err, self.call)
             raise
+        if not self._reported:
+            self._reported = True
+            _report(self.call, self.start)
+        return done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
 
 
 def issue(call: Call, start: Callable[[], dist.Work | None]) -> dist.Work | None:
-    """Run ``start`` (the torch call); a timeout, now or at ``wait()``, names who is missing."""
+    """Run ``start`` (the torch call); a timeout, now or at ``wait()``, names who is missing.
+    Completion is reported to the ``on_complete`` listeners."""
+    for sync in _DEVICE_SYNC:
+        sync()
+    begin = time.perf_counter()
     try:
         work = start()
     except RuntimeError as err:
         _raise_if_timed_out(err, call)
         raise
-    return None if work is None else cast(dist.Work, _Watched(work, call))
+    if work is None:
+        _report(call, begin)
+        return None
+    return cast(dist.Work, _Watched(work, call, begin))
 
 
 def note_timeout_in_use(timeout: timedelta) -> None:

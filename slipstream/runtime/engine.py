@@ -20,6 +20,7 @@ from slipstream._logging import log_rank0, logger
 from slipstream.checkpoint.api import PendingSave, finish_save, load_checkpoint, save_checkpoint
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
+from slipstream.distributed.timeouts import set_device_sync
 from slipstream.precision import (
     NonFiniteGradientError,
     nonfinite_error_message,
@@ -84,6 +85,9 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         comm.comm_counters.verbose = config.comms_logger.verbose
         if not config.comms_logger.prof_all:
             comm.comm_counters.prof_ops = set(config.comms_logger.prof_ops)
+        if config.comms_logger.enabled and device.type == "cuda":
+            set_device_sync(torch.cuda.synchronize)  # per-collective times, as DeepSpeed's
+        self._started: float | None = None  # the first forward: the comm summary's time base
 
     # ---------------------------------------------------------------- introspection
     def train_batch_size(self) -> int:
@@ -149,6 +153,8 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             inputs = tuple(_cast_floats(x, torch.float16) for x in inputs)
             kwargs = {k: _cast_floats(v, torch.float16) for k, v in kwargs.items()}
+        if self._started is None:
+            self._started = time.perf_counter()
         with self._timers.phase("forward"), self._profiled("forward"):
             return self.module(*inputs, **kwargs)
 
@@ -320,7 +326,20 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         self.wait_for_checkpoint()
         if self.optimizer is not None:
             self.optimizer.destroy()
+        if self.config.comms_logger.enabled:
+            self._log_comm_summary()
+            set_device_sync(None)
         self.monitor.close()  # last: a writer error it raises leaves nothing else undone
+
+    def _log_comm_summary(self) -> None:
+        """The comms_logger table at the end: time and bandwidth per collective, and its
+        share of the training time (first forward to now)."""
+        elapsed = time.perf_counter() - self._started if self._started is not None else None
+        log_rank0(
+            "communication summary (this rank, %s of training):\n%s",
+            f"{elapsed:.2f} s" if elapsed else "no",
+            comm.summary_table(elapsed),
+        )
 
     # ---------------------------------------------------------------------- helpers
     def _require_optimizer(self) -> ZeroOptimizer:

@@ -46,6 +46,13 @@ def collectives() -> dict[str, Any]:
     comm.all_to_all_single(a2a, x, group=group)
     out["a2a"] = torch.equal(a2a.view(world, 8)[0], x.new_tensor(range(rank * 8, rank * 8 + 8)))
     out["summary"] = comm.log_summary()
+    out["seconds"] = {op: e.seconds for (_, op), e in comm.comm_counters.stats.items()}
+    out["table"] = comm.summary_table(step_seconds=10.0)
+    # Work issued but never waited on reports no time (it has not completed as far as we know).
+    comm.comm_counters.reset()
+    comm.all_reduce(y.clone(), group=group, async_op=True)
+    out["unwaited"] = {op: e.seconds for (_, op), e in comm.comm_counters.stats.items()}
+    comm.barrier(group=group)
     try:
         comm.check_same_across_ranks(("shape", rank % 2), "model")
         out["diverged"] = None

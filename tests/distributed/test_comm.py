@@ -15,6 +15,12 @@ def test_collectives_exact_and_counted():
         assert dp["reduce_scatter"] == {"calls": 2, "bytes": 2 * 16 * 4}
         assert dp["all_gather"] == {"calls": 2, "bytes": 16 * 4 + 16 * 2}
         assert dp["all_reduce"] == {"calls": 1, "bytes": 16 * 4}
+        # Every completed collective, synchronous or waited on, has its time counted.
+        assert all(r["seconds"][op] > 0 for op in ("reduce_scatter", "all_gather", "all_reduce"))
+        assert r["unwaited"]["all_reduce"] == 0.0
+        header, *rows = r["table"].splitlines()
+        assert header.split()[-3:] == ["ms", "GB/s", "share"]
+        assert any(row.split()[:2] == ["dp", "all_reduce"] and row.endswith("%") for row in rows)
         assert "model differs between ranks" in r["diverged"]
         assert "ranks [0]" in r["diverged"] and "ranks [1]" in r["diverged"]
 
