@@ -6,12 +6,19 @@ without bias. The math follows Hugging Face's ``LlamaForCausalLM`` (rotate-half 
 fp32 RMSNorm, kv heads repeated consecutively), so weights can be copied one-to-one and
 the logits match; tests pin that parity.
 
-Module names are stable and HF-like because tensor-parallel plans address them::
+Module names are stable and HF-like because parallelism plans address them::
 
     embed_tokens
     layers.{i}.attn_norm, layers.{i}.attn.{q_proj,k_proj,v_proj,o_proj}
     layers.{i}.mlp_norm,  layers.{i}.mlp.{gate_proj,up_proj,down_proj}
     norm, lm_head
+
+The model is single-device: it holds no process group. Three parameter-free parts are the
+seams its plans (``slipstream.models.gpt_plans``, returned by :meth:`GPT.tp_plan` and
+:meth:`GPT.sp_plan`) replace from outside: each attention's ``core`` (causal attention over
+the local sequence), ``positions`` (where the input sits in the sequence) and ``output``
+(logits to loss). Activation checkpointing runs through the model's ``recompute_context``
+(``slipstream.parallel.recompute``), which an engine replaces by its own.
 
 References: RoPE (Su et al. 2021, "RoFormer", sec. 3.4), GQA (Ainslie et al. 2023),
 SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"), RMSNorm (Zhang & Sennrich 2019),
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +37,10 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
-from slipstream.parallel import recompute
-from slipstream.parallel.tensor import gather_from_tp, vocab_parallel_cross_entropy
-from slipstream.sequence import lss_attention, sequence_parallel_cross_entropy, ulysses_attention
+from slipstream.models.gpt_plans import gpt_sp_plan, gpt_tp_plan
+from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
+from slipstream.parallel.tensor import TPPlan
+from slipstream.sequence import SPPlan
 from slipstream.zero.init import deferred_init_active
 from slipstream.zero.param import full_numel
 
@@ -82,16 +91,17 @@ class GPTConfig:
     """Dropout on attention probabilities and on each residual branch, in [0, 1)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them
-    (``slipstream.checkpointing``, RNG state preserved so dropout matches; the
+    (``slipstream.parallel.recompute``, RNG state preserved so dropout matches; the
     ``activation_checkpointing`` config block picks full, partitioned, CPU or selective):
     activation memory drops from O(layers x block internals) to O(layers x hidden) at the
     cost of one extra forward per block. Only applies while autograd records."""
     sequence_parallel: str | None = None
-    """Sequence-parallel attention once a group is bound (``slipstream.initialize`` with
-    ``sequence_parallel_size > 1``, or ``slipstream.sequence.parallelize_sequence_``):
+    """Sequence-parallel attention once the model's sequence-parallel plan is applied
+    (``slipstream.initialize`` with ``sequence_parallel_size > 1``, or
+    ``slipstream.sequence.parallelize_sequence_``):
     "ulysses" (all-to-all, heads divisible by the sp size) or "lss" (all-gathered K/V).
     Inputs are then this rank's sequence segment; RoPE positions are offset by its start and
-    the loss is the global mean. None, or no group bound: an ordinary model."""
+    the loss is the global mean. None, or no plan applied: an ordinary model."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -189,17 +199,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _checkpoint(layer: nn.Module, *args: torch.Tensor) -> torch.Tensor:
-    # The activation_checkpointing config options (partitioned, CPU, selective) once
-    # slipstream.initialize configured them; else torch's non-reentrant checkpoint. Both
-    # replay dropout masks, tensor-parallel RNG streams included.
-    if recompute.is_configured():
-        out: torch.Tensor = recompute.checkpoint(layer, *args)
-    else:
-        out = recompute.non_reentrant_checkpoint(layer, *args)
-    return out
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -210,6 +209,59 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
+class CausalAttention(nn.Module):
+    """``softmax(q k^T / sqrt(D)) v`` with a causal mask over the local sequence: an
+    attention's core, which a sequence-parallel plan replaces.
+
+    ``forward(q, k, v)``: rotated queries ``[B, H, T, D]``, keys and values ``[B, kv, T, D]``
+    (each kv head serves ``H / kv`` consecutive query heads); returns ``[B, T, H, D]``.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads.
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        return y.transpose(1, 2)
+
+
+class SequenceSpan(Protocol):
+    """Where a model's input sits in the full sequence (the ``positions`` seam)."""
+
+    def span(self, length: int) -> tuple[int, int]:
+        """``(start, total)``: the input's first position and the full sequence length."""
+        ...
+
+
+class FullSequence(nn.Module):
+    """Where the input sits in the sequence: all of it, from position 0 (single device; a
+    sequence-parallel plan swaps in a sharded version)."""
+
+    def span(self, length: int) -> tuple[int, int]:
+        """``(start, total)``: the input's first position and the full sequence length."""
+        return 0, length
+
+
+class LMOutput(nn.Module):
+    """The model's last step: the logits when ``labels`` is None, else the mean token
+    cross-entropy in fp32 (-100 ignored). Parallel plans swap in versions for sharded logits."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return logits
+        # fp32 upcast: a bf16 log-softmax over the vocabulary loses too much precision.
+        return F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads and rotary embeddings."""
 
@@ -218,14 +270,12 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads or config.num_heads
         self.head_dim = config.head_dim
-        self.dropout = config.dropout
-        self.sequence_parallel = config.sequence_parallel
-        self.sp_group: comm.Group = None  # bound by GPT.set_sequence_parallel_group
         kv_dim = self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.core: nn.Module = CausalAttention(config.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Head counts come from the weights, not the config, so a tensor-parallel plan that
@@ -237,24 +287,7 @@ class Attention(nn.Module):
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        if self.sp_group is not None:
-            return self.o_proj(self._sequence_parallel(q, k, v).reshape(b, t, -1))
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads.
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-    def _sequence_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of this rank's segment over the whole sharded sequence: [B, T/P, H, D]."""
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        dropout = self.dropout if self.training else 0.0
-        if self.sequence_parallel == "lss":
-            return lss_attention(q, k, v, self.sp_group, dropout_p=dropout)
-        return ulysses_attention(q, k, v, self.sp_group, dropout_p=dropout)
+        return self.o_proj(self.core(q, k, v).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -301,9 +334,9 @@ class GPT(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
-    sp_group: comm.Group = None
-    tp_group: comm.Group = None  # bound by slipstream.parallel.tensor.parallelize_tp_
-    tp_sequence_parallel: bool = False
+    recompute_context: RecomputeContext = DEFAULT_CONTEXT
+    """Runs the checkpointed blocks (``config.activation_checkpointing``): the process-wide
+    default until an engine gives the model its own (``use_recompute_context_``)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -317,6 +350,8 @@ class GPT(nn.Module):
             self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.positions: SequenceSpan = FullSequence()
+        self.output: nn.Module = LMOutput()
         # Non-persistent: state_dict holds parameters only; init_weights() fills these.
         shape = (config.max_seq_len, config.head_dim)
         self.register_buffer("rope_cos", torch.empty(shape, device=device), persistent=False)
@@ -332,31 +367,14 @@ class GPT(nn.Module):
         self.to_empty(device=device)
         self.init_weights()
 
-    def set_sequence_parallel_group(self, sp_group: comm.Group) -> None:
-        """Shard sequences over ``sp_group`` (needs ``config.sequence_parallel``).
+    def tp_plan(self, sequence_parallel: bool = False) -> TPPlan:
+        """How tensor parallelism splits this model (``parallelize_tp_`` asks)."""
+        return gpt_tp_plan(self, sequence_parallel)
 
-        Raises:
-            ConfigError: the config has no ``sequence_parallel`` attention.
-        """
-        if self.config.sequence_parallel is None and comm.get_world_size(sp_group) > 1:
-            raise ConfigError(
-                "this GPT was built with GPTConfig.sequence_parallel=None: set it to "
-                "'ulysses' or 'lss' to train with sequence parallelism"
-            )
-        self.sp_group = sp_group
-        for layer in self.layers:
-            layer.attn.sp_group = sp_group  # type: ignore[union-attr]
-
-    def set_tensor_parallel_group(self, tp_group: comm.Group, sequence_parallel: bool) -> None:
-        """Compute the loss from vocabulary-sharded logits over ``tp_group`` (called by
-        ``parallelize_tp_`` after it split the layers); ``sequence_parallel``: the residual
-        stream is split along the sequence between layers."""
-        if sequence_parallel and self.sp_group is not None:
-            raise ConfigError(
-                "Megatron-style sequence parallelism (tensor_parallel.sequence_parallel) and "
-                "Ulysses/LSS sequence parallelism cannot be combined on one GPT: choose one"
-            )
-        self.tp_group, self.tp_sequence_parallel = tp_group, sequence_parallel
+    def sp_plan(self, sp_group: comm.Group) -> SPPlan:
+        """How this model runs sequence-parallel over ``sp_group`` (``parallelize_sequence_``
+        asks); needs ``config.sequence_parallel`` when the group has several ranks."""
+        return gpt_sp_plan(self, sp_group, self.config.sequence_parallel, self.config.dropout)
 
     def tie_weights(self) -> None:
         """Make ``lm_head`` share ``embed_tokens.weight`` when ``config.tie_embeddings``.
@@ -433,11 +451,10 @@ class GPT(nn.Module):
         """
         t = input_ids.shape[1]
         # Sequence parallel: input_ids is segment r of P; its RoPE positions start at r * t.
-        sp_size = comm.get_world_size(self.sp_group) if self.sp_group is not None else 1
-        start = comm.get_rank(self.sp_group) * t if sp_size > 1 else 0
-        if t * sp_size > self.config.max_seq_len:
+        start, total = self.positions.span(t)
+        if total > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {t * sp_size} exceeds GPTConfig.max_seq_len="
+                f"sequence length {total} exceeds GPTConfig.max_seq_len="
                 f"{self.config.max_seq_len}; truncate the input or build the model with a "
                 "larger max_seq_len"
             )
@@ -446,20 +463,11 @@ class GPT(nn.Module):
         sin = self.rope_sin[start : start + t].to(x.dtype)
         checkpointed = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = _checkpoint(layer, x, cos, sin) if checkpointed else layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
-        if self.tp_group is not None:  # logits hold this rank's slice of the vocabulary
-            if labels is None:
-                return gather_from_tp(logits, self.tp_group)
-            return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
-        if labels is None:
-            return logits
-        if sp_size > 1:
-            return sequence_parallel_cross_entropy(logits, labels, self.sp_group)
-        # fp32 upcast: a bf16 log-softmax over the vocabulary loses too much precision.
-        return F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-        )
+            if checkpointed:
+                x = self.recompute_context.run(layer, x, cos, sin)
+            else:
+                x = layer(x, cos, sin)
+        return self.output(self.lm_head(self.norm(x)), labels)  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def generate(

@@ -9,8 +9,16 @@ must differ, or the TP ranks would drop the same pattern in every shard. Those o
 inside ``get_rng_tracker().fork()``, which swaps in a per-TP-rank generator state and puts
 the default one back afterwards (the default stream does not advance).
 
-The tracker holds states, not generators, so ``slipstream.checkpointing`` can save and
-restore them around a recompute and dropout masks are reproduced exactly.
+The tracker holds states, not generators, so activation recomputation
+(``slipstream.parallel.recompute``) can save and restore them around a recompute and dropout
+masks are reproduced exactly.
+
+Whose tracker: a tracker is an explicit object. ``slipstream.initialize`` gives each engine
+with tensor parallelism its own, which its TP plan and its recompute context share, so two
+engines in one process never draw from (or reseed) each other's streams. The process-wide
+instance returned by :func:`get_rng_tracker` is the default for code that uses the
+DeepSpeed/Megatron module-level API (``get_cuda_rng_tracker()``,
+``model_parallel_cuda_manual_seed``) and for ``parallelize_tp_`` called without a tracker.
 """
 
 from __future__ import annotations
@@ -87,8 +95,8 @@ class RNGStatesTracker:
         if name not in self._states:
             raise KeyError(
                 f"RNG stream {name!r} was never added: call "
-                "slipstream.parallel.random.model_parallel_manual_seed(seed) (initialize does "
-                "it under tensor parallelism)"
+                "slipstream.parallel.random.model_parallel_manual_seed(seed) first (initialize "
+                "seeds the tracker of each engine with tensor parallelism)"
             )
         saved = _get_state()
         _set_state(self._states[name])
@@ -99,17 +107,22 @@ class RNGStatesTracker:
             _set_state(saved)
 
 
-_TRACKER = RNGStatesTracker()
+_DEFAULT_TRACKER = RNGStatesTracker()
 
 
 def get_rng_tracker() -> RNGStatesTracker:
-    """The process-wide tracker (Megatron's ``get_cuda_rng_tracker``)."""
-    return _TRACKER
+    """The process-wide default tracker (Megatron's ``get_cuda_rng_tracker``)."""
+    return _DEFAULT_TRACKER
 
 
-def model_parallel_manual_seed(seed: int, tp_rank: int = 0) -> None:
+def model_parallel_manual_seed(
+    seed: int, tp_rank: int = 0, tracker: RNGStatesTracker | None = None
+) -> RNGStatesTracker:
     """Seed the default stream with ``seed`` (equal on all TP ranks) and the tensor-parallel
-    stream with ``seed + 2718 + tp_rank`` (different on each TP rank)."""
+    stream of ``tracker`` (default: the process-wide one) with ``seed + 2718 + tp_rank``
+    (different on each TP rank). Returns the tracker."""
+    tracker = tracker if tracker is not None else _DEFAULT_TRACKER
     torch.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    return tracker

@@ -14,12 +14,21 @@ block, which ``slipstream.initialize`` applies):
 
 Dropout recomputes the same mask: the default RNG state and the tensor-parallel RNG
 tracker's states (``slipstream.parallel.random``) are restored around the recompute.
+
+Where the state lives: the options, the TP group for partitioning and the RNG tracker to
+replay belong to a :class:`RecomputeContext` object. ``slipstream.initialize`` builds one per
+engine (from the config, with that engine's TP group and tracker) and hands it to the model
+with :func:`use_recompute_context_`, so two engines in one process never see each other's
+options. The module-level functions (DeepSpeed's API: ``configure``, ``checkpoint``,
+``is_configured``, ...) act on :data:`DEFAULT_CONTEXT`, the process-wide instance that a model
+uses until an engine gives it its own. A module that recomputes declares a
+``recompute_context`` attribute (the GPT, a ``PipelineModule``) and calls
+``self.recompute_context.run(layer, *args)``.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     create_selective_checkpoint_contexts,
@@ -39,8 +49,15 @@ from slipstream.config._errors import ConfigError
 from slipstream.config.loader import load_config
 from slipstream.config.parallel import ActivationCheckpointingConfig
 from slipstream.distributed import comm
+from slipstream.parallel.random import (
+    RNGStatesTracker,
+    get_rng_tracker,
+    model_parallel_manual_seed,
+)
 
 __all__ = [
+    "DEFAULT_CONTEXT",
+    "RecomputeContext",
     "checkpoint",
     "configure",
     "get_cuda_rng_tracker",
@@ -49,20 +66,117 @@ __all__ = [
     "non_reentrant_checkpoint",
     "reset",
     "set_num_layers",
+    "use_recompute_context_",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _State:
-    options: ActivationCheckpointingConfig
-    tp_group: comm.Group = None
-    configured: bool = False
-    num_layers: int | None = None
+class RecomputeContext:
+    """Activation-recomputation state of one engine: options, TP group, RNG tracker.
+
+    Args:
+        rng_tracker: the tracker whose streams a recompute replays (default: the
+            process-wide one); under tensor parallelism, the tracker the TP plan forks from.
+    """
+
+    def __init__(self, rng_tracker: RNGStatesTracker | None = None) -> None:
+        self.rng_tracker = rng_tracker if rng_tracker is not None else get_rng_tracker()
+        self.options = ActivationCheckpointingConfig()
+        self.tp_group: comm.Group = None
+        self.configured = False
+        self.num_layers: int | None = None
+
+    def configure(
+        self,
+        mpu_: Any = None,
+        deepspeed_config: ActivationCheckpointingConfig | dict[str, Any] | str | None = None,
+        partition_activations: bool | None = None,
+        contiguous_checkpointing: bool | None = None,
+        num_checkpoints: int | None = None,
+        checkpoint_in_cpu: bool | None = None,
+        synchronize: bool | None = None,
+        profile: bool | None = None,
+        selective: bool | None = None,
+    ) -> None:
+        """Set the options of :meth:`checkpoint`; see the module function :func:`configure`."""
+        options = _options_from(deepspeed_config)
+        overrides = {
+            "partition_activations": partition_activations,
+            "contiguous_memory_optimization": contiguous_checkpointing,
+            "number_checkpoints": num_checkpoints,
+            "cpu_checkpointing": checkpoint_in_cpu,
+            "synchronize_checkpoint_boundary": synchronize,
+            "profile": profile,
+            "selective": selective,
+        }
+        update = {k: v for k, v in overrides.items() if v is not None}
+        if update:
+            options = ActivationCheckpointingConfig.model_validate(options.model_dump() | update)
+        if options.selective and (options.partition_activations or options.cpu_checkpointing):
+            raise ConfigError(
+                "activation_checkpointing.selective keeps matmul outputs, which is incompatible "
+                "with partition_activations / cpu_checkpointing (they move the kept inputs of a "
+                "fully recomputed region): choose selective or the other two"
+            )
+        self.options = options
+        self.tp_group = _tp_group_of(mpu_)
+        self.configured = True
+
+    def reset(self) -> None:
+        """Back to defaults (full recompute, nothing partitioned or offloaded)."""
+        self.options, self.tp_group = ActivationCheckpointingConfig(), None
+        self.configured, self.num_layers = False, None
+
+    def checkpoint(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Run ``function(*args)`` without storing its activations; recompute them in
+        backward, honouring the configured options. Tensor outputs only (a tensor or a
+        tuple/list of tensors and non-tensors)."""
+        if self.options.selective:
+            return _selective(function, self.rng_tracker, *args)
+        if not torch.is_grad_enabled():
+            return function(*args)
+        return _CheckpointFunction.apply(function, self._current_options(), *args)
+
+    def non_reentrant_checkpoint(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``torch.utils.checkpoint`` (non-reentrant) with the tracker's RNG streams."""
+        run = _replaying_rng(function, self.rng_tracker)
+        return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+    def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Recompute ``function(*args)`` in backward: with the configured options once
+        :meth:`configure` ran, else with torch's non-reentrant checkpoint. Both replay
+        dropout masks, tensor-parallel RNG streams included."""
+        if self.configured:
+            return self.checkpoint(function, *args)
+        return self.non_reentrant_checkpoint(function, *args)
+
+    def _current_options(self) -> _Options:
+        opts, group = self.options, self.tp_group
+        partition = opts.partition_activations and group is not None
+        return _Options(
+            partition_group=group if partition and comm.get_world_size(group) > 1 else None,
+            to_cpu=opts.cpu_checkpointing,
+            synchronize=opts.synchronize_checkpoint_boundary,
+            profile=opts.profile,
+            tracker=self.rng_tracker,
+        )
 
 
-_STATE = _State(ActivationCheckpointingConfig())
+DEFAULT_CONTEXT = RecomputeContext()
+"""The process-wide context behind DeepSpeed's module-level API; a model uses it until an
+engine gives it its own (:func:`use_recompute_context_`)."""
+
+
+def use_recompute_context_(model: nn.Module, context: RecomputeContext) -> int:
+    """Make every submodule of ``model`` that recomputes (it declares a ``recompute_context``
+    attribute) use ``context``, in place. Returns how many were bound."""
+    bound = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "recompute_context", None), RecomputeContext):
+            module.recompute_context = context  # type: ignore[assignment]
+            bound += 1
+    return bound
 
 
 def configure(
@@ -76,7 +190,7 @@ def configure(
     profile: bool | None = None,
     selective: bool | None = None,
 ) -> None:
-    """Set the options of :func:`checkpoint` (DeepSpeed's signature).
+    """Set the options of :func:`checkpoint` (DeepSpeed's signature), on :data:`DEFAULT_CONTEXT`.
 
     Args:
         mpu_: the tensor-parallel group (a ``ProcessGroup``), or a Megatron-style object with
@@ -86,28 +200,17 @@ def configure(
             path) whose ``activation_checkpointing`` block is read, or that block itself.
         partition_activations ... selective: override single options (None keeps them).
     """
-    options = _options_from(deepspeed_config)
-    overrides = {
-        "partition_activations": partition_activations,
-        "contiguous_memory_optimization": contiguous_checkpointing,
-        "number_checkpoints": num_checkpoints,
-        "cpu_checkpointing": checkpoint_in_cpu,
-        "synchronize_checkpoint_boundary": synchronize,
-        "profile": profile,
-        "selective": selective,
-    }
-    update = {k: v for k, v in overrides.items() if v is not None}
-    if update:
-        options = ActivationCheckpointingConfig.model_validate(options.model_dump() | update)
-    if options.selective and (options.partition_activations or options.cpu_checkpointing):
-        raise ConfigError(
-            "activation_checkpointing.selective keeps matmul outputs, which is incompatible "
-            "with partition_activations / cpu_checkpointing (they move the kept inputs of a "
-            "fully recomputed region): choose selective or the other two"
-        )
-    _STATE.options = options
-    _STATE.tp_group = _tp_group_of(mpu_)
-    _STATE.configured = True
+    DEFAULT_CONTEXT.configure(
+        mpu_,
+        deepspeed_config,
+        partition_activations,
+        contiguous_checkpointing,
+        num_checkpoints,
+        checkpoint_in_cpu,
+        synchronize,
+        profile,
+        selective,
+    )
 
 
 def _options_from(config: Any) -> ActivationCheckpointingConfig:
@@ -133,32 +236,27 @@ def _tp_group_of(mpu: Any) -> comm.Group:
 
 
 def is_configured() -> bool:
-    """True once :func:`configure` ran (``slipstream.initialize`` runs it when needed)."""
-    return _STATE.configured
+    """True once :func:`configure` ran on the default context."""
+    return DEFAULT_CONTEXT.configured
 
 
 def reset() -> None:
-    """Back to defaults (full recompute, nothing partitioned or offloaded)."""
-    _STATE.options, _STATE.tp_group = ActivationCheckpointingConfig(), None
-    _STATE.configured, _STATE.num_layers = False, None
+    """The default context back to defaults (full recompute, nothing partitioned or offloaded)."""
+    DEFAULT_CONTEXT.reset()
 
 
 def set_num_layers(num_layers: int) -> None:
     """Accepted for compatibility (DeepSpeed sizes a contiguous buffer with it)."""
-    _STATE.num_layers = num_layers
+    DEFAULT_CONTEXT.num_layers = num_layers
 
 
-def get_cuda_rng_tracker() -> Any:
-    """The tensor-parallel RNG tracker (DeepSpeed/Megatron name)."""
-    from slipstream.parallel.random import get_rng_tracker
-
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tensor-parallel RNG tracker (DeepSpeed/Megatron name)."""
     return get_rng_tracker()
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Seed the default and tensor-parallel RNG streams (DeepSpeed/Megatron name)."""
-    from slipstream.parallel.random import model_parallel_manual_seed
-
     model_parallel_manual_seed(seed)
 
 
@@ -166,37 +264,31 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """Run ``function(*args)`` without storing its activations; recompute them in backward.
 
-    Honours the configured options (see the module docstring). Tensor outputs only (a
-    tensor or a tuple/list of tensors and non-tensors).
+    Honours the options of :data:`DEFAULT_CONTEXT` (see the module docstring). Tensor outputs
+    only (a tensor or a tuple/list of tensors and non-tensors).
     """
-    opts = _STATE.options
-    if opts.selective:
-        return _selective(function, *args)
-    if not torch.is_grad_enabled():
-        return function(*args)
-    return _CheckpointFunction.apply(function, _Options.current(), *args)
+    return DEFAULT_CONTEXT.checkpoint(function, *args)
 
 
-def _replaying_rng(function: Callable[..., Any]) -> Callable[..., Any]:
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """``torch.utils.checkpoint`` (non-reentrant) with the default tracker's RNG streams."""
+    return DEFAULT_CONTEXT.non_reentrant_checkpoint(function, *args)
+
+
+def _replaying_rng(function: Callable[..., Any], tracker: RNGStatesTracker) -> Callable[..., Any]:
     """``function`` whose second and later calls (the recomputes) run with the
     tensor-parallel RNG tracker's streams as they were at the first call."""
-    states = _tracker_states()
+    states = _tracker_states(tracker)
     first = [True]
 
     def run(*inner: Any) -> Any:
         if first[0]:
             first[0] = False
             return function(*inner)
-        with _restored_tracker(states):
+        with _restored_tracker(tracker, states):
             return function(*inner)
 
     return run
-
-
-def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    """``torch.utils.checkpoint`` (non-reentrant) with the tensor-parallel RNG streams."""
-    run = _replaying_rng(function)
-    return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
 _SAVE_OPS = {
@@ -227,9 +319,9 @@ def _dropout_p(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
     return 0.0
 
 
-def _selective(function: Callable[..., Any], *args: Any) -> Any:
+def _selective(function: Callable[..., Any], tracker: RNGStatesTracker, *args: Any) -> Any:
     return torch_checkpoint(
-        _replaying_rng(function),
+        _replaying_rng(function, tracker),
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
@@ -237,24 +329,17 @@ def _selective(function: Callable[..., Any], *args: Any) -> Any:
     )
 
 
-def _tracker_states() -> dict[str, Any] | None:
-    """The tensor-parallel RNG streams now (None: no stream was ever added)."""
-    random = sys.modules.get("slipstream.parallel.random")  # not imported: no streams
-    if random is None:
-        return None
-    states: dict[str, Any] = random.get_rng_tracker().get_states()
-    return states or None
+def _tracker_states(tracker: RNGStatesTracker) -> dict[str, Any] | None:
+    """The tracker's RNG streams now (None: no stream was ever added)."""
+    return tracker.get_states() or None
 
 
 @contextmanager
-def _restored_tracker(states: dict[str, Any] | None) -> Iterator[None]:
+def _restored_tracker(tracker: RNGStatesTracker, states: dict[str, Any] | None) -> Iterator[None]:
     """Run with the tracker's streams as they were at the first forward; then put back."""
     if states is None:
         yield
         return
-    from slipstream.parallel.random import get_rng_tracker
-
-    tracker = get_rng_tracker()
     now = tracker.get_states()
     tracker.set_states(states)
     try:
@@ -269,17 +354,7 @@ class _Options:
     to_cpu: bool
     synchronize: bool
     profile: bool
-
-    @staticmethod
-    def current() -> _Options:
-        opts, group = _STATE.options, _STATE.tp_group
-        partition = opts.partition_activations and group is not None
-        return _Options(
-            partition_group=group if partition and comm.get_world_size(group) > 1 else None,
-            to_cpu=opts.cpu_checkpointing,
-            synchronize=opts.synchronize_checkpoint_boundary,
-            profile=opts.profile,
-        )
+    tracker: RNGStatesTracker
 
 
 def _sync(enabled: bool) -> None:
@@ -330,7 +405,7 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.function, ctx.opts = function, opts
         ctx.cpu_state = torch.get_rng_state()
         ctx.cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-        ctx.tracker = _tracker_states()
+        ctx.tracker = _tracker_states(opts.tracker)
         with torch.no_grad():
             outputs = function(*args)
         ctx.tensor_index, ctx.devices, ctx.requires, stashed = [], [], [], []
@@ -365,7 +440,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if ctx.cuda_state is not None:
             torch.cuda.set_rng_state(ctx.cuda_state)
         try:
-            with torch.enable_grad(), _restored_tracker(ctx.tracker):
+            with torch.enable_grad(), _restored_tracker(opts.tracker, ctx.tracker):
                 outputs = ctx.function(*inputs)
         finally:
             torch.set_rng_state(cpu_now)

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from slipstream.models.gpt import Attention, _apply_rope
+from slipstream.models.gpt import Attention, CausalAttention, _apply_rope
 from slipstream.quant._formats import int_absmax_scale, quantize_int, quantize_per_token
 from slipstream.quant._gemm import int_mm
 
@@ -195,7 +195,7 @@ class Int8Attention(Attention):
         return s_q, s_k, s_v.unsqueeze(1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.sp_group is not None:
+        if not isinstance(self.core, CausalAttention):  # a sequence-parallel plan's core
             raise NotImplementedError(
                 "the INT8 attention core does not support sequence-parallel attention; quantize "
                 "with HeroModes(attn_core=False) or run without a sequence-parallel group"

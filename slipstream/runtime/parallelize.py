@@ -6,6 +6,11 @@
 2. Sequence parallelism (Ulysses / LSS) binds the attention to the ``sp`` axis.
 3. Activation checkpointing is configured with the TP group, which partitioned activations
    and the RNG replay need.
+
+The state these steps create belongs to this engine, not to the process: under tensor
+parallelism the model-parallel RNG streams live in a tracker of its own (shared by the TP plan
+and the recompute), and the recompute options in a ``RecomputeContext`` handed to the model,
+so a second engine in the same process neither reseeds nor reconfigures the first.
 4. ZeRO comes last (``slipstream.zero.shard_zero_``, called by ``initialize`` once the
    optimizer is planned): it shards whatever parameters the steps above left, so a TP shard
    is ZeRO-sharded again over the data-parallel ranks and never the other way round.
@@ -21,8 +26,8 @@ from torch import nn
 from slipstream.config import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.distributed.mesh import DeviceMesh
-from slipstream.parallel import recompute
-from slipstream.parallel.random import model_parallel_manual_seed
+from slipstream.parallel.random import RNGStatesTracker, model_parallel_manual_seed
+from slipstream.parallel.recompute import RecomputeContext, use_recompute_context_
 from slipstream.parallel.tensor import parallelize_tp_
 from slipstream.sequence import parallelize_sequence_
 
@@ -38,11 +43,17 @@ def parallelize_(model: nn.Module, cfg: SlipstreamConfig, mesh: DeviceMesh) -> N
     """Apply tensor, sequence and activation-checkpointing parallelism to ``model`` in
     place, in that order (ZeRO follows in ``initialize``)."""
     tp, sp = axis_group(mesh, "tp"), axis_group(mesh, "sp")
+    rng_tracker = None  # this engine's TP streams (the process default without TP)
     if tp is not None:
         # Default stream equal on all TP ranks, the sharded-region stream different on each.
         seed = cfg.seed if cfg.seed is not None else torch.initial_seed() % 2**62
-        model_parallel_manual_seed(seed, comm.get_rank(tp))
-        parallelize_tp_(model, tp, sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+        rng_tracker = model_parallel_manual_seed(seed, comm.get_rank(tp), RNGStatesTracker())
+        parallelize_tp_(
+            model,
+            tp,
+            sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+            rng_tracker=rng_tracker,
+        )
     if sp is not None:
         parallelize_sequence_(model, sp)
     if (
@@ -50,4 +61,6 @@ def parallelize_(model: nn.Module, cfg: SlipstreamConfig, mesh: DeviceMesh) -> N
         or tp is not None
         or cfg.activation_checkpointing != type(cfg.activation_checkpointing)()
     ):
+        recompute = RecomputeContext(rng_tracker)
         recompute.configure(tp, cfg.activation_checkpointing)
+        use_recompute_context_(model, recompute)

@@ -7,18 +7,21 @@
   collective each way per layer, no head constraint, K/V of the whole sequence in memory).
 * :func:`sequence_parallel_cross_entropy`: the global mean loss from sequence shards.
 * :class:`SequenceShardCollate` / :func:`shard_sequence`: each sp rank's slice of a batch.
-* :func:`parallelize_sequence_`: bind a model's sequence-parallel attention to a group
+* :func:`parallelize_sequence_`: apply a model's sequence-parallel plan (:class:`SPPlan`, which
+  swaps in :class:`SequenceParallelAttention`, :class:`ShardedSequence` and
+  :class:`SequenceParallelOutput`) or bind its ``DistributedAttention`` modules to a group
   (``slipstream.initialize`` does this when ``sequence_parallel_size > 1``).
 """
 
-from __future__ import annotations
-
-from torch import nn
-
-from slipstream.distributed import comm
 from slipstream.sequence.data import SequenceShardCollate, shard_sequence
 from slipstream.sequence.loss import sequence_parallel_cross_entropy
 from slipstream.sequence.lss import double_average_gradients_, lss_attention
+from slipstream.sequence.modules import (
+    SequenceParallelAttention,
+    SequenceParallelOutput,
+    ShardedSequence,
+)
+from slipstream.sequence.plan import SPPlan, parallelize_sequence_
 from slipstream.sequence.ulysses import (
     DistributedAttention,
     check_heads,
@@ -28,7 +31,11 @@ from slipstream.sequence.ulysses import (
 
 __all__ = [
     "DistributedAttention",
+    "SPPlan",
+    "SequenceParallelAttention",
+    "SequenceParallelOutput",
     "SequenceShardCollate",
+    "ShardedSequence",
     "check_heads",
     "double_average_gradients_",
     "lss_attention",
@@ -38,29 +45,3 @@ __all__ = [
     "shard_sequence",
     "ulysses_attention",
 ]
-
-
-def parallelize_sequence_(model: nn.Module, sp_group: comm.Group) -> nn.Module:
-    """Bind every submodule that takes a sequence-parallel group to ``sp_group``, in place.
-
-    A module opts in by defining ``set_sequence_parallel_group(group)``
-    (:class:`DistributedAttention` and a ``GPT`` built with ``sequence_parallel`` do).
-
-    Raises:
-        ValueError: no submodule opts in while the group has more than one rank (the model
-            would silently attend within each shard only).
-    """
-    bound = 0
-    for module in model.modules():
-        setter = getattr(module, "set_sequence_parallel_group", None)
-        if callable(setter):
-            setter(sp_group)
-            bound += 1
-    if bound == 0 and comm.get_world_size(sp_group) > 1:
-        raise ValueError(
-            f"sequence_parallel_size={comm.get_world_size(sp_group)} but "
-            f"{type(model).__name__} has no sequence-parallel attention: build the reference "
-            "GPT with GPTConfig(sequence_parallel='ulysses' or 'lss'), or route your attention "
-            "through slipstream.sequence.DistributedAttention"
-        )
-    return model

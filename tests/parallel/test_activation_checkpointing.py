@@ -163,3 +163,37 @@ def test_selective_recomputes_attention_with_dropout() -> None:
     assert policy(None, op, q, q, q, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
     assert policy(None, op, q, q, q) == CheckpointPolicy.MUST_SAVE  # schema default 0.0
     assert policy(None, torch.ops.aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
+
+
+def test_engine_contexts_do_not_share_state() -> None:
+    """A RecomputeContext holds its own options and tracker: configuring one leaves the
+    process default (DeepSpeed's module API) and other contexts as they were, and a model
+    runs its blocks through the context it was given."""
+    from slipstream.models import GPT, GPTConfig
+    from slipstream.parallel.random import RNGStatesTracker, get_rng_tracker
+
+    class Counting(recompute.RecomputeContext):
+        calls = 0
+
+        def run(self, function: Any, *args: Any) -> Any:
+            Counting.calls += 1
+            return super().run(function, *args)
+
+    tracker = RNGStatesTracker()
+    mine = Counting(tracker)
+    mine.configure(None, selective=True)
+    assert mine.options.selective and mine.rng_tracker is tracker
+    assert not checkpointing.is_configured() and not recompute.DEFAULT_CONTEXT.options.selective
+    assert recompute.DEFAULT_CONTEXT.rng_tracker is get_rng_tracker()
+
+    torch.manual_seed(0)
+    config = GPTConfig.preset("tiny", activation_checkpointing=True)
+    bound, other = GPT(config), GPT(config)
+    assert recompute.use_recompute_context_(bound, mine) == 1
+    assert bound.recompute_context is mine
+    assert other.recompute_context is recompute.DEFAULT_CONTEXT
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    other(ids, ids).backward()
+    assert Counting.calls == 0
+    bound(ids, ids).backward()
+    assert Counting.calls == config.num_layers

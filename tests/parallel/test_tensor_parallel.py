@@ -144,7 +144,8 @@ def test_tp_plan_errors_name_the_module_and_size():
     """Indivisible sizes fail before any weight is touched, naming what does not divide."""
     from slipstream.config import ConfigError
     from slipstream.models import GPT
-    from slipstream.parallel.tensor import _check_heads, gpt_tp_plan
+    from slipstream.models.gpt_plans import gpt_tp_plan
+    from slipstream.parallel.tensor.apply import _check_heads
 
     model = GPT(w.gpt_config(num_heads=4, num_kv_heads=2))
     with pytest.raises(ConfigError, match=r"num_kv_heads = 2 is not divisible by .*autotp_size=4"):

@@ -22,7 +22,7 @@ from torch import nn
 
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
-from slipstream.parallel import recompute
+from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
 from slipstream.parallel.tensor import TPPlan, add_block_plan
 
 __all__ = ["LayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec", "partition_balanced"]
@@ -163,6 +163,10 @@ class PipelineModule(nn.Module):
     Communication: a broadcast of each tied weight among its holders at construction.
     """
 
+    recompute_context: RecomputeContext = DEFAULT_CONTEXT
+    """Runs the ``activation_checkpoint_interval`` recomputes: the process-wide default until
+    an engine gives the module its own (``use_recompute_context_``)."""
+
     def __init__(
         self,
         layers: Sequence[Any],
@@ -197,7 +201,7 @@ class PipelineModule(nn.Module):
                 "PipelineModule activation_checkpoint_interval="
                 f"{activation_checkpoint_interval} must be >= 0 (0 disables recompute)"
             )
-        self.tp_group: comm.Group = None  # set by parallelize_tp_ for a vocabulary-parallel loss
+        self.tp_group: comm.Group = None  # set by the TP plan for a vocabulary-parallel loss
         self.layer_list = list(layers)
         self.num_stages = num_stages
         self.virtual_stages = virtual_stages
@@ -341,17 +345,27 @@ class PipelineModule(nn.Module):
         return units + [(f"tied_modules.{k}", m) for k, m in self.tied_modules.items()]
 
     # ------------------------------------------------------------------- tensor parallel
-    def tp_plan(self) -> TPPlan:
+    def tp_plan(self, sequence_parallel: bool = False) -> TPPlan:
         """The tensor-parallel split of this stage's layers (``parallelize_tp_`` asks).
 
         A layer may say how it splits with ``tp_styles(vocab_parallel_loss) -> {name inside
         the layer ("" for itself): style}``; other layers get the automatic per-block rule
         (``add_block_plan``). The vocabulary-parallel loss is used when ``loss_fn`` has
-        ``vocab_parallel = True`` (it then takes ``tp_group=``); otherwise LM heads gather
-        their logits and tied layers stay whole.
+        ``vocab_parallel = True`` (it then takes ``tp_group=``, handed over once the layers
+        are split); otherwise LM heads gather their logits and tied layers stay whole.
+
+        Raises:
+            ConfigError: ``sequence_parallel`` (stages exchange the full sequence).
         """
+        if sequence_parallel:
+            raise ConfigError(
+                "tensor_parallel.sequence_parallel is not supported with a PipelineModule: set "
+                "it to false (pipeline stages exchange the full sequence)"
+            )
         vocab_parallel = bool(getattr(self.loss_fn, "vocab_parallel", False))
-        plan = TPPlan(vocab_parallel_loss=vocab_parallel)
+        plan = TPPlan()
+        if vocab_parallel:
+            plan.after_split.append(self._use_tp_group)
         held = [(n, m) for n, m in self.named_children() if n != "tied_modules"]
         if vocab_parallel:
             held += [(f"tied_modules.{k}", m) for k, m in self.tied_modules.items()]
@@ -364,14 +378,8 @@ class PipelineModule(nn.Module):
                 plan.styles[f"{name}.{local}" if local else name] = style
         return plan
 
-    def set_tensor_parallel_group(self, tp_group: comm.Group, sequence_parallel: bool) -> None:
-        """Compute the loss from vocabulary-sharded logits over ``tp_group`` (called by
-        ``parallelize_tp_``)."""
-        if sequence_parallel:
-            raise ConfigError(
-                "tensor_parallel.sequence_parallel is not supported with a PipelineModule: set "
-                "it to false (pipeline stages exchange the full sequence)"
-            )
+    def _use_tp_group(self, tp_group: comm.Group) -> None:
+        """The loss and the gathered outputs of the last stage work over ``tp_group``."""
         self.tp_group = tp_group
 
     def compute_loss(self, outputs: Any, labels: Any) -> torch.Tensor:
@@ -402,7 +410,7 @@ class PipelineModule(nn.Module):
         for start in range(0, len(fns), interval):
             run = fns[start : start + interval]
             if self._checkpointable(layers[start : start + interval]):
-                x = _checkpointed(run, x)
+                x = _checkpointed(run, x, self.recompute_context)
             else:
                 x = _run(run, x)
         return x
@@ -450,7 +458,7 @@ def _run(fns: Sequence[Callable[[Any], Any]], x: Any) -> Any:
     return x
 
 
-def _checkpointed(fns: Sequence[Callable[[Any], Any]], x: Any) -> Any:
+def _checkpointed(fns: Sequence[Callable[[Any], Any]], x: Any, context: RecomputeContext) -> Any:
     packed = isinstance(x, tuple)
     args = x if packed else (x,)
 
@@ -460,5 +468,5 @@ def _checkpointed(fns: Sequence[Callable[[Any], Any]], x: Any) -> Any:
     # The reentrant function only reaches parameters through inputs that require grad: when
     # none does (token ids entering the first stage) use the non-reentrant one.
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return recompute.checkpoint(run, *args)
-    return recompute.non_reentrant_checkpoint(run, *args)
+        return context.checkpoint(run, *args)
+    return context.non_reentrant_checkpoint(run, *args)

@@ -1,0 +1,59 @@
+"""Tensor-parallel parameters: a rank's slice of a weight, and the full weight back.
+
+A sharded parameter stays the same ``nn.Parameter`` object (optimizers built earlier, names and
+checkpoints keep working); its data becomes the local slice and it carries
+``tensor_parallel_dim`` (the split dimension of the logical weight), ``tensor_parallel_parts``
+(equal blocks fused along that dimension, e.g. q|k|v) and the rank and size that cut it, which
+the gradient norm and the checkpoint code read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.distributed import comm
+from slipstream.parallel.tensor.collectives import all_gather
+
+__all__ = ["is_tp_sharded", "shard_param_", "unshard_tp"]
+
+
+def shard_param_(p: nn.Parameter, dim: int, group: comm.Group, parts: int = 1) -> None:
+    """Replace ``p``'s data by this rank's slice along ``dim`` (in place, same Parameter).
+
+    ``parts > 1``: the dimension is a concatenation of ``parts`` equal blocks (fused q|k|v);
+    each block is split and this rank keeps its slice of every block, in order.
+    """
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
+    blocks = p.data.chunk(parts, dim)
+    local = torch.cat([b.chunk(world, dim)[rank] for b in blocks], dim).contiguous()
+    # swap_tensors, not .data: a parameter that already ran backward caches its old shape
+    # in its gradient accumulator. The Parameter object (and its identity) stays.
+    torch.utils.swap_tensors(p, nn.Parameter(local, requires_grad=p.requires_grad))
+    p.tensor_parallel_dim = dim  # type: ignore[attr-defined]
+    p.tensor_parallel_parts = parts  # type: ignore[attr-defined]
+    p.tensor_parallel_rank, p.tensor_parallel_size = rank, world  # type: ignore[attr-defined]
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """True for a parameter holding one TP rank's slice."""
+    return getattr(p, "tensor_parallel_dim", None) is not None
+
+
+def unshard_tp(
+    p: torch.Tensor, group: comm.Group, value: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The full logical tensor of TP-sharded parameter ``p`` (or of ``value``, a tensor
+    sharded like ``p``, e.g. its gradient); replicated tensors are returned as they are.
+    Collective over ``group``."""
+    value = (p if value is None else value).detach()
+    dim = getattr(p, "tensor_parallel_dim", None)
+    if dim is None or comm.get_world_size(group) == 1:
+        return value
+    parts = getattr(p, "tensor_parallel_parts", 1)
+    world = comm.get_world_size(group)
+    full = all_gather(value, group, dim)  # rank-major: [rank0 blocks..., rank1 ...]
+    if parts == 1:
+        return full
+    pieces = full.chunk(world * parts, dim)  # (rank, block) order -> (block, rank) order
+    return torch.cat([pieces[r * parts + b] for b in range(parts) for r in range(world)], dim)

@@ -1,0 +1,92 @@
+"""The sequence-parallel modules a model's plan swaps in for its single-device parts.
+
+A model that runs on one device computes attention over its whole sequence, starts its
+positions at 0 and averages its loss over its tokens. Under sequence parallelism each rank
+holds one segment of every sequence, so three parts change, and each of these modules holds
+the group it needs (the model never does):
+
+- :class:`SequenceParallelAttention`: attention of the segment's queries over the whole
+  sharded sequence (Ulysses all-to-all or LSS all-gathered K/V);
+- :class:`ShardedSequence`: where the segment sits in the sequence (RoPE positions, length
+  checks);
+- :class:`SequenceParallelOutput`: the global mean loss of the sharded batch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.distributed import comm
+from slipstream.sequence.loss import sequence_parallel_cross_entropy
+from slipstream.sequence.lss import lss_attention
+from slipstream.sequence.ulysses import ulysses_attention
+
+__all__ = ["SequenceParallelAttention", "SequenceParallelOutput", "ShardedSequence"]
+
+Method = Literal["ulysses", "lss"]
+
+
+class SequenceParallelAttention(nn.Module):
+    """Causal attention of this rank's segment over the sequence sharded on ``sp_group``.
+
+    The drop-in for a model's local attention core: ``forward(q, k, v)`` takes this rank's
+    rotated queries ``[B, H, T/P, D]`` and keys/values ``[B, kv, T/P, D]`` and returns
+    ``[B, T/P, H, D]``. ``method``: "ulysses" (all-to-all over heads, which must divide by the
+    group size) or "lss" (all-gathered K/V, no head constraint). ``dropout``: on the attention
+    probabilities while training.
+    """
+
+    def __init__(self, method: Method, sp_group: comm.Group, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.method, self.sp_group, self.dropout = method, sp_group, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        if self.method == "lss":
+            return lss_attention(q, k, v, self.sp_group, dropout_p=dropout)
+        return ulysses_attention(q, k, v, self.sp_group, dropout_p=dropout)
+
+    def extra_repr(self) -> str:
+        return f"{self.method}, sp={comm.get_world_size(self.sp_group)}"
+
+
+class ShardedSequence(nn.Module):
+    """Where this rank's segment sits: segment r of P, each as long as the local input."""
+
+    def __init__(self, sp_group: comm.Group) -> None:
+        super().__init__()
+        self.sp_group = sp_group
+
+    def span(self, length: int) -> tuple[int, int]:
+        """``(start, total)``: the segment's first position and the full sequence length,
+        for a local input of ``length`` tokens."""
+        world = comm.get_world_size(self.sp_group)
+        start = comm.get_rank(self.sp_group) * length if world > 1 else 0
+        return start, length * world
+
+
+class SequenceParallelOutput(nn.Module):
+    """A language model's output step on a sequence segment.
+
+    ``forward(logits, labels)``: the segment's logits when ``labels`` is None, else the mean
+    token cross-entropy over the *whole* sequences (:func:`sequence_parallel_cross_entropy`;
+    a plain fp32 cross-entropy when the group has one rank).
+    """
+
+    def __init__(self, sp_group: comm.Group) -> None:
+        super().__init__()
+        self.sp_group = sp_group
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return logits
+        if comm.get_world_size(self.sp_group) > 1:
+            return sequence_parallel_cross_entropy(logits, labels, self.sp_group)
+        return F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )

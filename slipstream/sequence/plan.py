@@ -1,0 +1,82 @@
+"""Applying sequence parallelism to a model: ``parallelize_sequence_(model, sp_group)``.
+
+Two routes, both from outside the model. A model with a ``sp_plan(sp_group)`` method returns
+an :class:`SPPlan` (module name -> the sequence-parallel module replacing it; slipstream's
+GPT: ``slipstream.models.gpt_plans``), which is applied in place. A module of any model can
+instead take the group itself through ``set_sequence_parallel_group(group)``
+(:class:`~slipstream.sequence.DistributedAttention`, DeepSpeed's way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from slipstream.distributed import comm
+
+__all__ = ["SPPlan", "parallelize_sequence_"]
+
+
+@dataclass
+class SPPlan:
+    """What a model changes to run sequence-parallel.
+
+    ``replace``: submodule name -> the module that takes its place (built with the group, e.g.
+    a :class:`~slipstream.sequence.SequenceParallelAttention` for a local attention core).
+    """
+
+    replace: dict[str, nn.Module] = field(default_factory=dict)
+
+    def apply_(self, model: nn.Module) -> None:
+        """Swap the modules in place (parameters and their names are untouched)."""
+        for name, new in self.replace.items():
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            if not hasattr(parent, leaf):
+                raise ValueError(
+                    f"sequence-parallel plan of {type(model).__name__} names {name!r}, which "
+                    "is not a submodule: fix the model's sp_plan()"
+                )
+            setattr(parent, leaf, new)
+
+
+def parallelize_sequence_(model: nn.Module, sp_group: comm.Group) -> nn.Module:
+    """Make ``model`` run on sequence segments sharded over ``sp_group``, in place.
+
+    Every submodule with an ``sp_plan(sp_group)`` method has its plan applied; every
+    submodule with ``set_sequence_parallel_group(group)`` is bound to the group
+    (``slipstream.initialize`` calls this when ``sequence_parallel_size > 1``).
+
+    Raises:
+        ValueError: no submodule takes part while the group has more than one rank (the model
+            would silently attend within each shard only).
+        ConfigError: raised by a model's plan (e.g. a GPT built without sequence-parallel
+            attention).
+    """
+    bound = 0
+    for owner in list(model.modules()):  # a snapshot: plans replace submodules
+        sp_plan = getattr(owner, "sp_plan", None)
+        if not callable(sp_plan):
+            continue
+        plan = sp_plan(sp_group)
+        if not isinstance(plan, SPPlan):
+            raise TypeError(
+                f"{type(owner).__name__}.sp_plan() returned {type(plan).__name__}, not an "
+                "SPPlan: return slipstream.sequence.SPPlan"
+            )
+        plan.apply_(owner)
+        bound += 1
+    for module in model.modules():
+        setter = getattr(module, "set_sequence_parallel_group", None)
+        if callable(setter):
+            setter(sp_group)
+            bound += 1
+    if bound == 0 and comm.get_world_size(sp_group) > 1:
+        raise ValueError(
+            f"sequence_parallel_size={comm.get_world_size(sp_group)} but "
+            f"{type(model).__name__} has no sequence-parallel attention: build the reference "
+            "GPT with GPTConfig(sequence_parallel='ulysses' or 'lss'), or route your attention "
+            "through slipstream.sequence.DistributedAttention"
+        )
+    return model
