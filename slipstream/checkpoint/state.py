@@ -22,6 +22,7 @@ from torch import nn
 
 from slipstream.checkpoint import _faults
 from slipstream.checkpoint.format import CheckpointError, CheckpointReader, dtype_name
+from slipstream.distributed.placement import is_duplicate, tp_shard
 from slipstream.zero.gathered import GatheredParameters
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param import full_shape
@@ -65,10 +66,10 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 def checkpoint_name(name: str, p: torch.Tensor) -> str:
     """A parameter's name in the checkpoint: a tensor-parallel shard is stored as its own
     tensor, ``<name>.tp<rank>of<size>`` (loading needs the same TP size)."""
-    size = getattr(p, "tensor_parallel_size", None)
-    if size is None:
+    shard = tp_shard(p)
+    if shard is None:
         return name
-    return f"{name}.tp{p.tensor_parallel_rank}of{size}"  # type: ignore[attr-defined]
+    return f"{name}.tp{shard.rank}of{shard.size}"
 
 
 _TP_SUFFIX = re.compile(r"\.tp(\d+)of(\d+)$")
@@ -76,9 +77,9 @@ _TP_SUFFIX = re.compile(r"\.tp(\d+)of(\d+)$")
 
 def _tp_rank(module: nn.Module) -> int:
     for p in module.parameters():
-        rank = getattr(p, "tensor_parallel_rank", None)
-        if rank is not None:
-            return int(rank)
+        shard = tp_shard(p)
+        if shard is not None:
+            return shard.rank
     return 0
 
 
@@ -87,7 +88,7 @@ def _writes(name: str, p: torch.Tensor, tp_rank: int) -> bool:
     replicated tensors by tensor-parallel rank 0, TP shards by every TP rank under their own
     names, and a tied layer's non-owning copy (marked by ``PipelineModule``) by no one but
     its owner stage."""
-    if getattr(p, "grad_norm_duplicate", False):
+    if is_duplicate(p):
         return False
     return tp_rank == 0 or checkpoint_name(name, p) != name
 

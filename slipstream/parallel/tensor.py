@@ -23,8 +23,9 @@ The plan says which module gets which treatment: :func:`gpt_tp_plan` for slipstr
 reference GPT, :func:`auto_tp_plan` derived from module structure for Hugging Face models
 (LLaMA-family, GPT-2 and others built the same way). Parameters keep their names and their
 ``nn.Parameter`` objects (their data becomes the local shard), so optimizers built earlier,
-``named_parameters`` and checkpoints keep working; sharded parameters carry
-``tensor_parallel_dim`` (the split dimension of the logical weight) for the gradient norm.
+``named_parameters`` and checkpoints keep working; each sharded parameter's
+:class:`~slipstream.distributed.placement.TPShard` (split dimension, rank, size) is what the
+gradient norm and the checkpoint writer read.
 
 Random ops between a column-parallel output and the row-parallel input (attention dropout on
 the local heads) draw from the per-rank stream of ``slipstream.parallel.random`` so the TP
@@ -45,6 +46,13 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
+from slipstream.distributed.placement import (
+    TPShard,
+    mark_tp_grad_summed_,
+    set_tp_shard_,
+    tp_grad_summed,
+    tp_shard,
+)
 from slipstream.parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
 __all__ = [
@@ -198,9 +206,7 @@ def _shard_param_(p: nn.Parameter, dim: int, group: comm.Group, parts: int = 1) 
     # swap_tensors, not .data: a parameter that already ran backward caches its old shape
     # in its gradient accumulator. The Parameter object (and its identity) stays.
     torch.utils.swap_tensors(p, nn.Parameter(local, requires_grad=p.requires_grad))
-    p.tensor_parallel_dim = dim  # type: ignore[attr-defined]
-    p.tensor_parallel_parts = parts  # type: ignore[attr-defined]
-    p.tensor_parallel_rank, p.tensor_parallel_size = rank, world  # type: ignore[attr-defined]
+    set_tp_shard_(p, TPShard(dim=dim, parts=parts, rank=rank, size=world))
 
 
 class ColumnParallelLinear(_TPModule):
@@ -622,9 +628,9 @@ def _forked_dropout(module: nn.Module) -> None:
 
 def _sum_grad_over(p: nn.Parameter, group: comm.Group) -> None:
     """Each TP rank saw 1/tp of the tokens: the gradient is the sum over the group."""
-    if getattr(p, "sequence_parallel", False):
+    if tp_grad_summed(p):
         return  # shared by two norms (tied): one hook
-    p.sequence_parallel = True  # type: ignore[attr-defined]
+    mark_tp_grad_summed_(p)
     p.register_hook(lambda g: _all_reduce(g, group))
 
 
@@ -750,7 +756,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
     """True for a parameter holding one TP rank's slice."""
-    return getattr(p, "tensor_parallel_dim", None) is not None
+    return tp_shard(p) is not None
 
 
 def unshard_tp(
@@ -760,10 +766,10 @@ def unshard_tp(
     sharded like ``p``, e.g. its gradient); replicated tensors are returned as they are.
     Collective over ``group``."""
     value = (p if value is None else value).detach()
-    dim = getattr(p, "tensor_parallel_dim", None)
-    if dim is None or comm.get_world_size(group) == 1:
+    shard = tp_shard(p)
+    if shard is None or comm.get_world_size(group) == 1:
         return value
-    parts = getattr(p, "tensor_parallel_parts", 1)
+    dim, parts = shard.dim, shard.parts
     world = comm.get_world_size(group)
     full = _all_gather(value, group, dim)  # rank-major: [rank0 blocks..., rank1 ...]
     if parts == 1:

@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.distributed.placement import is_duplicate, tp_shard
 from slipstream.optim.kinds import optimizer_kind
 from slipstream.precision import LossScaler
 from slipstream.zero.flat import Bucket, ParamStore
@@ -70,11 +71,11 @@ class StepPolicy:
             gradients are copied over per bucket and updated weights copied back.
         pin_memory: page-lock the offloaded masters (faster copies on CUDA).
         tp_group: tensor-parallel group: the global gradient norm sums the squares of
-            tensor-parallel shards (parameters with ``tensor_parallel_dim``) over it, and
+            tensor-parallel shards (parameters with a ``TPShard`` placement) over it, and
             counts replicated parameters once.
         pp_group: pipeline group: each stage holds different parameters, so the norm sums
-            over it (parameters marked ``grad_norm_duplicate``, e.g. the second copy of a
-            tied weight, are left out).
+            over it (parameters placed as duplicates, e.g. the second copy of a tied
+            weight, are left out).
     """
 
     loss_scaler: LossScaler
@@ -370,8 +371,8 @@ class ZeroOptimizer:
         for off, p, n in zip(bucket.offsets, bucket.params, bucket.numels):
             start, stop = max(off, lo), min(off + n, hi)
             if start < stop:
-                kind = 2 if getattr(p, "grad_norm_duplicate", False) else 1
-                if kind == 1 and getattr(p, "tensor_parallel_dim", None) is not None:
+                kind = 2 if is_duplicate(p) else 1
+                if kind == 1 and tp_shard(p) is not None:
                     kind = 0
                 parts.append((slice(start - lo, stop - lo), kind))
         return None if all(k == 1 for _, k in parts) else parts
