@@ -22,7 +22,50 @@ from slipstream.distributed import comm
 from slipstream.zero.init import set_data_
 from slipstream.zero.param import full_shape, is_slipstream_partitioned
 
-__all__ = ["Bucket", "FlatStore", "ParamStore", "build_buckets"]
+__all__ = ["Bucket", "FlatSlice", "FlatStore", "ParamStore", "build_buckets"]
+
+
+@dataclass(frozen=True)
+class FlatSlice:
+    """Elements ``[start, stop)`` of a flat bucket, all of them in one parameter that begins
+    at bucket element ``offset``.
+
+    ``FlatSlice.whole(offset, numel).within(lo, hi)`` answers "which part of this parameter
+    is in the region ``[lo, hi)`` (a rank's shard), and where is it in the parameter and in
+    the region". An empty answer sits at the edge of the region nearest the parameter, so
+    ``region[s.at(lo)]`` is still an in-bounds (empty) view.
+    """
+
+    offset: int
+    start: int
+    stop: int
+
+    @classmethod
+    def whole(cls, offset: int, numel: int) -> FlatSlice:
+        """The parameter of ``numel`` elements laid out at bucket element ``offset``."""
+        return cls(offset, offset, offset + numel)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def __bool__(self) -> bool:
+        return self.stop > self.start
+
+    def within(self, lo: int, hi: int) -> FlatSlice:
+        """The part of this slice inside bucket elements ``[lo, hi)``."""
+        start = min(max(self.start, lo), hi)
+        return FlatSlice(self.offset, start, max(min(self.stop, hi), start))
+
+    @property
+    def param(self) -> slice:
+        """These elements in the flattened parameter."""
+        return slice(self.start - self.offset, self.stop - self.offset)
+
+    def at(self, base: int) -> slice:
+        """These elements in a 1-D tensor that holds the bucket from element ``base`` on
+        (a rank's shard starts at ``lo``; the whole bucket at 0)."""
+        return slice(self.start - base, self.stop - base)
 
 
 @dataclass
@@ -53,6 +96,19 @@ class Bucket:
 
     def shard_slice(self, dp_rank: int) -> slice:
         return slice(dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel)
+
+    def param_slice(self, i: int, lo: int = 0, hi: int | None = None) -> FlatSlice:
+        """The part of parameter ``i`` inside bucket elements ``[lo, hi)`` (default: all)."""
+        whole = FlatSlice.whole(self.offsets[i], self.shapes[i].numel())
+        return whole.within(lo, self.numel if hi is None else hi)
+
+    def is_split(self, i: int) -> bool:
+        """Whether parameter ``i`` spans more than one rank's shard."""
+        numel = self.shapes[i].numel()
+        if numel == 0:
+            return False
+        s = self.shard_slice(self.offsets[i] // self.shard_numel)  # where its first element is
+        return self.param_slice(i, s.start, s.stop).numel < numel
 
     def grad_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """The 1-D region of a bucket-sized ``buffer`` that belongs to parameter ``i``."""
