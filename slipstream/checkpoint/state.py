@@ -11,7 +11,6 @@ every piece of a param group and are kept per group in the manifest.
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,11 +20,16 @@ import torch
 from torch import nn
 
 from slipstream.checkpoint import _faults
-from slipstream.checkpoint.format import CheckpointError, CheckpointReader, dtype_name
+from slipstream.checkpoint.format import (
+    CheckpointError,
+    CheckpointReader,
+    dtype_from_name,
+    dtype_name,
+)
+from slipstream.distributed.placement import is_duplicate, tp_shard
 from slipstream.zero.gathered import GatheredParameters
-from slipstream.zero.optimizer import ZeroOptimizer
+from slipstream.zero.optimizer import BucketShard, ZeroOptimizer
 from slipstream.zero.param import full_shape
-from slipstream.zero.stage3 import ShardedStore
 
 __all__ = ["Collected", "collect_state", "restore_state"]
 
@@ -48,8 +52,7 @@ class Collected:
 
 
 def _frozen(module: nn.Module, opt: ZeroOptimizer | None) -> list[tuple[str, nn.Parameter]]:
-    bucketed = set() if opt is None else {id(p) for b in opt.buckets for p in b.params}
-    return [(n, p) for n, p in module.named_parameters() if id(p) not in bucketed]
+    return [(n, p) for n, p in module.named_parameters() if opt is None or not opt.trains(p)]
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -65,10 +68,10 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 def checkpoint_name(name: str, p: torch.Tensor) -> str:
     """A parameter's name in the checkpoint: a tensor-parallel shard is stored as its own
     tensor, ``<name>.tp<rank>of<size>`` (loading needs the same TP size)."""
-    size = getattr(p, "tensor_parallel_size", None)
-    if size is None:
+    shard = tp_shard(p)
+    if shard is None:
         return name
-    return f"{name}.tp{p.tensor_parallel_rank}of{size}"  # type: ignore[attr-defined]
+    return f"{name}.tp{shard.rank}of{shard.size}"
 
 
 _TP_SUFFIX = re.compile(r"\.tp(\d+)of(\d+)$")
@@ -76,9 +79,9 @@ _TP_SUFFIX = re.compile(r"\.tp(\d+)of(\d+)$")
 
 def _tp_rank(module: nn.Module) -> int:
     for p in module.parameters():
-        rank = getattr(p, "tensor_parallel_rank", None)
-        if rank is not None:
-            return int(rank)
+        shard = tp_shard(p)
+        if shard is not None:
+            return shard.rank
     return 0
 
 
@@ -87,7 +90,7 @@ def _writes(name: str, p: torch.Tensor, tp_rank: int) -> bool:
     replicated tensors by tensor-parallel rank 0, TP shards by every TP rank under their own
     names, and a tied layer's non-owning copy (marked by ``PipelineModule``) by no one but
     its owner stage."""
-    if getattr(p, "grad_norm_duplicate", False):
+    if is_duplicate(p):
         return False
     return tp_rank == 0 or checkpoint_name(name, p) != name
 
@@ -118,51 +121,46 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
             out.add(f"buffer/{name}", 0, t.detach(), tuple(t.shape))
     if opt is None:
         return out
-    for b, bucket in enumerate(opt.buckets):
-        if opt.swapper is not None:
-            opt._swap_in(b)
+    for shard in opt.bucket_shards():
         before = set(out.pieces)
-        lo, _ = opt.store.owned_range(b)
-        region, master = opt.store.owned(b), opt.masters[b]
-        separate = master.data_ptr() != region.data_ptr()
-        w = bucket.shard_slice(opt.dp_rank)
-        names = [checkpoint_name(n, p) for n, p in zip(bucket.names, bucket.params)]
-        replicas = [not _writes(n, p, tp_rank) for n, p in zip(bucket.names, bucket.params)]
-        for shape_, off, name, skip in zip(bucket.shapes, bucket.offsets, names, replicas):
-            s, e = max(off, w.start), min(off + shape_.numel(), w.stop)
-            if s >= e or skip:
-                continue
-            shape = tuple(shape_)
-            out.add(f"model/{name}", s - off, region[s - lo : e - lo], shape)
-            if separate:
-                out.add(f"master/{name}", s - off, master[s - lo : e - lo], shape)
-        for view, chunk in zip(opt._views[b], opt._chunks[b]):
-            state = opt.optimizer.state.get(view)
-            if not state:
-                continue
-            c0 = lo + chunk.start  # chunk start in bucket coordinates
-            i = _param_at(bucket.offsets, c0)
-            off, name = bucket.offsets[i], names[i]
-            s, e = max(c0, w.start), min(lo + chunk.stop, w.stop)
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.numel() == view.numel() > 0:
-                    if s < e and not replicas[i]:
-                        piece = value.reshape(-1)[s - c0 : e - c0]
-                        out.add(f"optim/{key}/{name}", s - off, piece, tuple(bucket.shapes[i]))
-                else:
-                    out.optim_scalars.setdefault(bucket.group_index, {})[key] = _scalar(value)
-        if opt.swapper is not None:
+        _collect_bucket(out, opt, shard, tp_rank)
+        if shard.transient:
             # Pieces must outlive the swap-out that frees them.
             for k in set(out.pieces) - before:
                 name_, s0, s1, data = out.pieces[k]
                 out.pieces[k] = (name_, s0, s1, data.clone())
-            opt._swap_out(b)
     return out
 
 
-def _param_at(offsets: list[int], pos: int) -> int:
-    """Index of the parameter whose flat extent starts at or before ``pos``."""
-    return bisect.bisect_right(offsets, pos) - 1
+def _collect_bucket(out: Collected, opt: ZeroOptimizer, shard: BucketShard, tp_rank: int) -> None:
+    """This rank's share of one bucket: the part of each parameter in its shard of the bucket
+    (at stage 0 too, so that writing is spread over the ranks)."""
+    bucket = shard.bucket
+    w = bucket.shard_slice(opt.dp_rank)
+    names = [checkpoint_name(n, p) for n, p in zip(bucket.names, bucket.params)]
+    replicas = [not _writes(n, p, tp_rank) for n, p in zip(bucket.names, bucket.params)]
+    for i, (name, skip) in enumerate(zip(names, replicas)):
+        mine = bucket.param_slice(i, w.start, w.stop)
+        if not mine or skip:
+            continue
+        shape = tuple(bucket.shapes[i])
+        out.add(f"model/{name}", mine.param.start, shard.params[mine.at(shard.held[0])], shape)
+        if shard.separate_master:
+            master = shard.master[mine.at(shard.owned[0])]
+            out.add(f"master/{name}", mine.param.start, master, shape)
+    for piece in shard.pieces:
+        state = opt.state.get(piece.view)
+        if not state:
+            continue
+        mine = piece.extent.within(w.start, w.stop)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel() == piece.view.numel() > 0:
+                if mine and not replicas[piece.index]:
+                    part = value.reshape(-1)[mine.at(piece.extent.start)]
+                    tensor = f"optim/{key}/{names[piece.index]}"
+                    out.add(tensor, mine.param.start, part, tuple(bucket.shapes[piece.index]))
+            else:
+                out.optim_scalars.setdefault(bucket.group_index, {})[key] = _scalar(value)
 
 
 def check_compatible(
@@ -244,15 +242,9 @@ def restore_state(
         attempt(lambda: _read_frozen(reader, frozen))
     attempt(lambda: _read_buffers(reader, module))
     if opt is not None:
-        stage3 = isinstance(opt.store, ShardedStore)
-        attempt(lambda: _restore_buckets(reader, opt, stage3, load_optimizer_states))
+        attempt(lambda: _restore_buckets(reader, opt, load_optimizer_states))
         attempt(lambda: _faults.point("load.restored"))
-        if stage3:
-            assert isinstance(opt.store, ShardedStore)
-            works = [opt.store.publish(b) for b in range(len(opt.buckets))]
-            for w in works:
-                if w is not None:
-                    w.wait()  # type: ignore[attr-defined]
+        opt.reload_params()  # collective: runs even after a failure on this rank
     if failed:
         raise failed[0]
 
@@ -271,50 +263,46 @@ def _read_buffers(reader: CheckpointReader, module: nn.Module) -> None:
 
 
 def _restore_buckets(
-    reader: CheckpointReader, opt: ZeroOptimizer, stage3: bool, load_optimizer_states: bool
+    reader: CheckpointReader, opt: ZeroOptimizer, load_optimizer_states: bool
 ) -> None:
-    """Parameters, masters and optimizer states of every bucket: reads only, no collectives."""
+    """Parameters, masters and optimizer states of every bucket: reads only, no collectives.
+    Each rank reads the parameter values it stores (all of them at stages 0-2, its shard at
+    stage 3) and the masters of the region it updates."""
     scalars: dict[str, dict[str, Any]] = reader.manifest.get("optim_scalars", {})
     keys: list[str] = reader.manifest.get("optim_keys", [])
-    for b, bucket in enumerate(opt.buckets):
-        if opt.swapper is not None:
-            opt._swap_in(b)
-        lo, hi = opt.store.owned_range(b)
-        region, master = opt.store.owned(b), opt.masters[b]
-        separate = master.data_ptr() != region.data_ptr()
-        for p, off, name, n in zip(bucket.params, bucket.offsets, bucket.names, bucket.numels):
-            name = checkpoint_name(name, p)
-            src = _value_source(reader, name, region.dtype)
-            if stage3:
-                s, e = max(off, lo), min(off + n, hi)
-                if s < e:
-                    reader.read(src, s - off, e - off, out=region[s - lo : e - lo])
-            else:
-                reader.read(src, out=bucket.flat[off : off + n])
-            s, e = max(off, lo), min(off + n, hi)
-            if separate and s < e:
-                msrc = f"master/{name}" if reader.has(f"master/{name}") else f"model/{name}"
-                reader.read(msrc, s - off, e - off, out=master[s - lo : e - lo])
+    for shard in opt.bucket_shards():
+        _read_bucket(reader, shard)
         if load_optimizer_states:
-            _restore_optimizer_states(reader, opt, b, keys, scalars)
-        if opt.swapper is not None:
-            opt._swap_out(b)
+            _restore_optimizer_states(reader, opt, shard, keys, scalars)
+
+
+def _read_bucket(reader: CheckpointReader, shard: BucketShard) -> None:
+    bucket, params = shard.bucket, shard.params
+    for i, (p, name) in enumerate(zip(bucket.params, bucket.names)):
+        name = checkpoint_name(name, p)
+        held = bucket.param_slice(i, *shard.held)
+        if held:
+            src = _value_source(reader, name, params.dtype)
+            reader.read(src, held.param.start, held.param.stop, out=params[held.at(shard.held[0])])
+        owned = bucket.param_slice(i, *shard.owned)
+        if shard.separate_master and owned:
+            msrc = f"master/{name}" if reader.has(f"master/{name}") else f"model/{name}"
+            out = shard.master[owned.at(shard.owned[0])]
+            reader.read(msrc, owned.param.start, owned.param.stop, out=out)
 
 
 def _restore_optimizer_states(
     reader: CheckpointReader,
     opt: ZeroOptimizer,
-    b: int,
+    shard: BucketShard,
     keys: list[str],
     scalars: dict[str, dict[str, Any]],
 ) -> None:
-    bucket = opt.buckets[b]
-    lo, _ = opt.store.owned_range(b)
+    bucket = shard.bucket
     group_scalars = scalars.get(str(bucket.group_index), {})
-    for view, chunk in zip(opt._views[b], opt._chunks[b]):
-        c0 = lo + chunk.start
-        i = _param_at(bucket.offsets, c0)
-        off, name = bucket.offsets[i], checkpoint_name(bucket.names[i], bucket.params[i])
+    for piece in shard.pieces:
+        i = piece.index
+        name = checkpoint_name(bucket.names[i], bucket.params[i])
         state: dict[str, Any] = {}
         for key in keys:
             tensor = f"optim/{key}/{name}"
@@ -323,15 +311,14 @@ def _restore_optimizer_states(
                     f"checkpoint {reader.dir} has optimizer state '{key}' but not for parameter "
                     f"'{name}'"
                 )
-            state[key] = reader.read(tensor, c0 - off, c0 - off + view.numel()).to(view.device)
+            span = piece.extent.param
+            state[key] = reader.read(tensor, span.start, span.stop).to(piece.view.device)
         for key, entry in group_scalars.items():
             value = entry["value"]
             if entry["tensor"]:
-                from slipstream.checkpoint.format import dtype_from_name
-
                 value = torch.tensor(value, dtype=dtype_from_name(entry["dtype"]))
             state[key] = value
         if state:
-            opt.optimizer.state[view] = state
+            opt.state[piece.view] = state
         else:
-            opt.optimizer.state.pop(view, None)
+            opt.state.pop(piece.view, None)

@@ -144,7 +144,5 @@ class DeepSpeedEngineAttributes:
     def empty_partition_cache(self) -> None:
         """ZeRO-3: release every gathered parameter now (e.g. before generation outside
         the engine); a no-op at stages 0-2."""
-        store = getattr(self.optimizer, "store", None)
-        release_all = getattr(store, "release_all", None)
-        if release_all is not None:
-            release_all()
+        if self.optimizer is not None:
+            self.optimizer.release_gathered()

@@ -169,7 +169,7 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         factor = opt.loss_scale
         if self.config.managed_gradient_accumulation:
             factor /= self.gradient_accumulation_steps()
-        opt.reducer.sync = self.is_gradient_accumulation_boundary() and not self._no_sync
+        opt.set_gradient_sync(self.is_gradient_accumulation_boundary() and not self._no_sync)
         return loss * factor if factor != 1.0 else loss
 
     def backward(
@@ -193,7 +193,7 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
             scaled = scaled * self.gradient_accumulation_steps()
         with self._timers.phase("backward"), self._profiled("backward"):
             scaled.backward(retain_graph=retain_graph)
-            self._require_optimizer().reducer.wait()
+            self._require_optimizer().finish_backward()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:

@@ -33,7 +33,7 @@ from slipstream.parallel.pipeline.schedule import (
 )
 from slipstream.runtime.engine import Engine
 from slipstream.zero import ZeroOptimizer
-from slipstream.zero.param import full_numel, full_shape
+from slipstream.zero.param import full_shape
 
 __all__ = ["ActivationStats", "PipelineEngine"]
 
@@ -214,7 +214,7 @@ class PipelineEngine(Engine):
         clock = _Clock(self.device)
         for n, ins in enumerate(steps):
             if ins.op == "backward":
-                opt.reducer.sync = n == last_backward
+                opt.set_gradient_sync(n == last_backward)
             if ins.op in ("forward", "backward"):
                 with clock.busy():
                     run.execute(ins)
@@ -381,7 +381,6 @@ class PipelineEngine(Engine):
     def _reduce_tied_grads(self, opt: ZeroOptimizer) -> None:
         module = self.pipe_module
         dp_size = comm.get_world_size(opt.group)
-        where = {id(p): (b, off) for b in opt.buckets for off, p in zip(b.offsets, b.params)}
         for key in sorted(module.tied_groups):
             for i, p in enumerate(module.tied_parameters(key)):
                 grad = self._tied_grads.get((key, i))
@@ -393,14 +392,8 @@ class PipelineEngine(Engine):
                 if dp_size > 1:
                     comm.all_reduce(flat, group=opt.group, label=f"tied_{key}")
                     flat /= dp_size
-                if id(p) not in where:
-                    continue  # frozen: not in the optimizer
-                bucket, off = where[id(p)]
-                lo, hi = opt.store.owned_range(bucket.index)
-                start, stop = max(off, lo), min(off + full_numel(p), hi)
-                if start < stop:
-                    shard = opt.reducer.grad_shard(bucket.index)
-                    shard[start - lo : stop - lo] += flat[start - off : stop - off].to(shard.dtype)
+                if opt.trains(p):  # else frozen: not in the optimizer
+                    opt.add_reduced_grad(p, flat)
         self._tied_grads = {}
 
 
@@ -547,7 +540,7 @@ class _Run:
             pairs = [(o, g) for o, g in zip([o for o in outs if o.requires_grad], grads)]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        opt.reducer.wait()
+        opt.finish_backward()
         self.e.activation_stats.release(unit)
 
 

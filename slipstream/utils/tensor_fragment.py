@@ -14,13 +14,11 @@ are spread over ranks; none at stage 0 or for the setters.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
 from slipstream.distributed import comm
-from slipstream.zero.flat import FlatStore
-from slipstream.zero.optimizer import ZeroOptimizer, owner_of
+from slipstream.zero.optimizer import BucketShard, ZeroOptimizer, owner_of
 
 __all__ = [
     "safe_get_full_fp32_param",
@@ -29,28 +27,6 @@ __all__ = [
     "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
 ]
-
-
-@contextmanager
-def _resident(opt: ZeroOptimizer, b: int) -> Iterator[None]:
-    """Bucket ``b``'s master and states in memory (NVMe offload swaps them out between steps)."""
-    if opt.swapper is None:
-        yield
-        return
-    opt._swap_in(b)
-    try:
-        yield
-    finally:
-        opt._swap_out(b)
-
-
-def _extent(opt: ZeroOptimizer, b: int, i: int) -> tuple[int, int, int, int, torch.Size]:
-    """(param offset, this rank's [start, stop) of it, owned-region start, shape) in bucket
-    element coordinates."""
-    bucket = opt.buckets[b]
-    off, shape = bucket.offsets[i], bucket.shapes[i]
-    lo, hi = opt.store.owned_range(b)
-    return off, max(off, lo), min(off + shape.numel(), hi), lo, shape
 
 
 def _assemble(opt: ZeroOptimizer, full: torch.Tensor) -> torch.Tensor:
@@ -66,12 +42,12 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     if found is None:
         return None
     opt, b, i = found
-    off, s, e, lo, shape = _extent(opt, b, i)
-    with _resident(opt, b):
-        master = opt.masters[b]
-        full = torch.zeros(shape.numel(), dtype=master.dtype, device=master.device)
-        if s < e:
-            full[s - off : e - off] = master[s - lo : e - lo]
+    with opt.bucket_shard(b) as shard:
+        shape = shard.bucket.shapes[i]
+        mine = shard.bucket.param_slice(i, *shard.owned)
+        full = torch.zeros(shape.numel(), dtype=shard.master.dtype, device=shard.master.device)
+        if mine:
+            full[mine.param] = shard.master[mine.at(shard.owned[0])]
     return _assemble(opt, full).view(shape)
 
 
@@ -83,28 +59,28 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     if found is None:
         return None
     opt, b, i = found
-    opt.reducer.wait()
-    grad = opt.reducer.grad_shard(b)
-    off, s, e, lo, shape = _extent(opt, b, i)
-    full = torch.zeros(shape.numel(), dtype=grad.dtype, device=grad.device)
-    if s < e:
-        full[s - off : e - off] = grad[s - lo : e - lo]
-    return _assemble(opt, full).view(shape)
+    opt.finish_backward()
+    grad = opt.owned_grad(b)
+    bucket = opt.buckets[b]
+    lo, hi = opt.owned_range(b)
+    mine = bucket.param_slice(i, lo, hi)
+    full = torch.zeros(bucket.shapes[i].numel(), dtype=grad.dtype, device=grad.device)
+    if mine:
+        full[mine.param] = grad[mine.at(lo)]
+    return _assemble(opt, full).view(bucket.shapes[i])
 
 
 def _state_pieces(
-    opt: ZeroOptimizer, b: int, i: int, key: str
+    opt: ZeroOptimizer, shard: BucketShard, i: int, key: str
 ) -> Iterator[tuple[slice, torch.Tensor]]:
-    """(slice of the flat parameter, the state tensor's matching part) for this rank's views."""
-    off, s, e, lo, _ = _extent(opt, b, i)
-    for view, chunk in zip(opt._views[b], opt._chunks[b]):
-        c0, c1 = lo + chunk.start, lo + chunk.stop  # the view in bucket coordinates
-        start, stop = max(c0, s), min(c1, e)
-        if start >= stop:
+    """(slice of the flat parameter, the state tensor) for this rank's views of parameter
+    ``i`` that hold state ``key``."""
+    for piece in shard.pieces:
+        if piece.index != i:
             continue
-        value = opt.optimizer.state.get(view, {}).get(key)
-        if isinstance(value, torch.Tensor) and value.numel() == view.numel():
-            yield slice(start - off, stop - off), value.view(-1)[start - c0 : stop - c0]
+        value = opt.state.get(piece.view, {}).get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == piece.view.numel():
+            yield piece.extent.param, value.view(-1)
 
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
@@ -114,10 +90,10 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     if found is None:
         return None
     opt, b, i = found
-    shape = opt.buckets[b].shapes[i]
-    with _resident(opt, b):
-        pieces = list(_state_pieces(opt, b, i, optim_state_key))
-        ref = pieces[0][1] if pieces else opt.masters[b]
+    with opt.bucket_shard(b) as shard:
+        shape = shard.bucket.shapes[i]
+        pieces = list(_state_pieces(opt, shard, i, optim_state_key))
+        ref = pieces[0][1] if pieces else shard.master
         # One extra element counts the ranks that hold the state, in the same collective.
         full = torch.zeros(shape.numel() + 1, dtype=ref.dtype, device=ref.device)
         for where, value in pieces:
@@ -142,14 +118,16 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
             "updated by a ZeRO optimizer (frozen, or called before initialize); set it directly"
         )
     opt, b, i = found
-    off, s, e, lo, shape = _extent(opt, b, i)
-    flat = _checked(value, shape, "safe_set_full_fp32_param").reshape(-1)
-    with torch.no_grad(), _resident(opt, b):
-        if s < e:
-            opt.masters[b][s - lo : e - lo] = flat[s - off : e - off]
-            opt.store.owned(b)[s - lo : e - lo] = flat[s - off : e - off]
-        if isinstance(opt.store, FlatStore):  # stages 0-2: every rank holds the whole bucket
-            opt.buckets[b].flat[off : off + shape.numel()] = flat
+    flat = _checked(value, opt.buckets[b].shapes[i], "safe_set_full_fp32_param").reshape(-1)
+    with torch.no_grad(), opt.bucket_shard(b) as shard:
+        bucket = shard.bucket
+        owned = bucket.param_slice(i, *shard.owned)
+        if owned:
+            shard.master[owned.at(shard.owned[0])] = flat[owned.param]
+        # What this rank stores of the parameter: all of it at stages 0-2, its shard at 3.
+        held = bucket.param_slice(i, *shard.held)
+        if held:
+            shard.params[held.at(shard.held[0])] = flat[held.param]
 
 
 def safe_set_full_optimizer_state(
@@ -167,12 +145,10 @@ def safe_set_full_optimizer_state(
             "safe_set_full_optimizer_state: this parameter is not updated by a ZeRO optimizer"
         )
     opt, b, i = found
-    shape = opt.buckets[b].shapes[i]
-    flat = _checked(value, shape, "safe_set_full_optimizer_state").reshape(-1)
-    with torch.no_grad(), _resident(opt, b):
-        pieces = list(_state_pieces(opt, b, i, optim_state_key))
-        _, s, e, _, _ = _extent(opt, b, i)
-        if s < e and not pieces:
+    flat = _checked(value, opt.buckets[b].shapes[i], "safe_set_full_optimizer_state").reshape(-1)
+    with torch.no_grad(), opt.bucket_shard(b) as shard:
+        pieces = list(_state_pieces(opt, shard, i, optim_state_key))
+        if shard.bucket.param_slice(i, *shard.owned) and not pieces:
             raise KeyError(
                 f"optimizer state '{optim_state_key}' does not exist for this parameter: states "
                 "are created by the first optimizer step (exp_avg/exp_avg_sq for Adam)"

@@ -18,6 +18,7 @@ from torch import nn
 
 from slipstream.distributed import comm
 from slipstream.zero.gathered import GatheredParameters
+from slipstream.zero.sharded_store import unit_owner
 
 __all__ = ["gathered_model", "save_16bit_model"]
 
@@ -37,15 +38,14 @@ def gathered_model(module: nn.Module) -> Iterator[nn.Module]:
 
 def _tensor_groups(module: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
     """Named tensors of the state dict, grouped so each group is gathered together."""
-    owner_attr = "_slipstream_z3_owner"
     groups: dict[object, list[tuple[str, torch.Tensor]]] = {}
     seen: set[int] = set()
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
         seen.add(id(p))
-        owner = getattr(p, owner_attr, None)
-        key = (id(owner[0]), owner[1]) if owner is not None else "replicated"
+        owner = unit_owner(p)
+        key = (id(owner.store), owner.unit.index) if owner is not None else "replicated"
         groups.setdefault(key, []).append((name, p))
     for name, b in module.named_buffers():
         groups.setdefault("replicated", []).append((name, b))

@@ -1,19 +1,25 @@
-"""Flat, bucketed parameter storage shared by ZeRO stages 0-2.
+"""Flat, bucketed parameter storage: the layout every ZeRO stage shares.
 
 Trainable parameters are laid out (in reverse registration order, which is roughly the
 order backward produces their gradients) into buckets of about ``reduce_bucket_size``
-elements. Each bucket owns one flat tensor in the parameter dtype and every parameter
-becomes a view into it, so a bucket can be reduced or gathered with one collective. Each
-bucket is padded to a multiple of the data-parallel size and split into equal contiguous
-shards: rank ``r`` owns elements ``[r * shard, (r + 1) * shard)`` of every bucket
-(ZeRO's flat partitioning, Rajbhandari et al. 2020, section 5).
+elements (stages 0-2), or one bucket per ZeRO-3 unit, param group and dtype (stage 3). Each
+bucket owns one flat tensor in the parameter dtype and every parameter becomes a view into it,
+so a bucket can be reduced or gathered with one collective. Each bucket is padded to a
+multiple of the data-parallel size and split into equal contiguous shards: rank ``r`` owns
+elements ``[r * shard, (r + 1) * shard)`` of every bucket (ZeRO's flat partitioning,
+Rajbhandari et al. 2020, section 5).
+
+Shards ignore parameter boundaries, so a parameter may lie wholly, partly or not at all in a
+rank's shard: :class:`FlatSlice` (``Bucket.param_slice``) is the one place that answers which
+part. Where the parameters live between steps is a :class:`ParamStore`: :class:`FlatStore`
+here for stages 0-2, ``ShardedStore`` for stage 3.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,7 +28,58 @@ from slipstream.distributed import comm
 from slipstream.zero.init import set_data_
 from slipstream.zero.param import full_shape, is_slipstream_partitioned
 
-__all__ = ["Bucket", "FlatStore", "ParamStore", "build_buckets"]
+__all__ = [
+    "Bucket",
+    "FlatSlice",
+    "FlatStore",
+    "ParamStore",
+    "Waitable",
+    "build_buckets",
+    "make_bucket",
+]
+
+
+@dataclass(frozen=True)
+class FlatSlice:
+    """Elements ``[start, stop)`` of a flat bucket, all of them in one parameter that begins
+    at bucket element ``offset``.
+
+    ``FlatSlice.whole(offset, numel).within(lo, hi)`` answers "which part of this parameter
+    is in the region ``[lo, hi)`` (a rank's shard), and where is it in the parameter and in
+    the region". An empty answer sits at the edge of the region nearest the parameter, so
+    ``region[s.at(lo)]`` is still an in-bounds (empty) view.
+    """
+
+    offset: int
+    start: int
+    stop: int
+
+    @classmethod
+    def whole(cls, offset: int, numel: int) -> FlatSlice:
+        """The parameter of ``numel`` elements laid out at bucket element ``offset``."""
+        return cls(offset, offset, offset + numel)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def __bool__(self) -> bool:
+        return self.stop > self.start
+
+    def within(self, lo: int, hi: int) -> FlatSlice:
+        """The part of this slice inside bucket elements ``[lo, hi)``."""
+        start = min(max(self.start, lo), hi)
+        return FlatSlice(self.offset, start, max(min(self.stop, hi), start))
+
+    @property
+    def param(self) -> slice:
+        """These elements in the flattened parameter."""
+        return slice(self.start - self.offset, self.stop - self.offset)
+
+    def at(self, base: int) -> slice:
+        """These elements in a 1-D tensor that holds the bucket from element ``base`` on
+        (a rank's shard starts at ``lo``; the whole bucket at 0)."""
+        return slice(self.start - base, self.stop - base)
 
 
 @dataclass
@@ -53,6 +110,19 @@ class Bucket:
 
     def shard_slice(self, dp_rank: int) -> slice:
         return slice(dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel)
+
+    def param_slice(self, i: int, lo: int = 0, hi: int | None = None) -> FlatSlice:
+        """The part of parameter ``i`` inside bucket elements ``[lo, hi)`` (default: all)."""
+        whole = FlatSlice.whole(self.offsets[i], self.shapes[i].numel())
+        return whole.within(lo, self.numel if hi is None else hi)
+
+    def is_split(self, i: int) -> bool:
+        """Whether parameter ``i`` spans more than one rank's shard."""
+        numel = self.shapes[i].numel()
+        if numel == 0:
+            return False
+        s = self.shard_slice(self.offsets[i] // self.shard_numel)  # where its first element is
+        return self.param_slice(i, s.start, s.stop).numel < numel
 
     def grad_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """The 1-D region of a bucket-sized ``buffer`` that belongs to parameter ``i``."""
@@ -89,16 +159,16 @@ def build_buckets(
             size = 0
             for p in plist:
                 if current and size + p.numel() > bucket_numel:
-                    buckets.append(_make_bucket(len(buckets), gi, current, names, dp_size))
+                    buckets.append(make_bucket(len(buckets), gi, current, names, dp_size))
                     current, size = [], 0
                 current.append(p)
                 size += p.numel()
             if current:
-                buckets.append(_make_bucket(len(buckets), gi, current, names, dp_size))
+                buckets.append(make_bucket(len(buckets), gi, current, names, dp_size))
     return buckets
 
 
-def _make_bucket(
+def make_bucket(
     index: int,
     group_index: int,
     params: list[nn.Parameter],
@@ -143,14 +213,61 @@ def _make_bucket(
     return Bucket(index, group_index, params, names_, offsets, numel, dp, flat, shapes, views)
 
 
+class Waitable(Protocol):
+    """An asynchronous collective in flight (``torch.distributed``'s ``Work``)."""
+
+    def wait(self) -> Any: ...
+
+
 class ParamStore(Protocol):
-    """Where bucket parameters live and which region of each bucket this rank updates."""
+    """Where each bucket's parameters live between steps, and which region of each bucket
+    this rank updates. :class:`FlatStore` (stages 0-2) and ``ShardedStore`` (stage 3) satisfy
+    it; the optimizer (and, through it, the checkpoint code) uses nothing else of a store.
+
+    Ranges are ``[start, stop)`` in bucket element coordinates.
+    """
 
     partitioned: bool
+    """This rank updates only its shard of each bucket (stages 1-3 with more than one rank)."""
 
-    def owned_range(self, b: int) -> tuple[int, int]: ...
-    def owned(self, b: int) -> torch.Tensor: ...
-    def publish(self, b: int) -> object: ...
+    def held_range(self, b: int) -> tuple[int, int]:
+        """What this rank stores of bucket ``b`` between steps (all of it at stages 0-2)."""
+        ...
+
+    def held(self, b: int) -> torch.Tensor:
+        """The storage of :meth:`held_range` (parameter dtype)."""
+        ...
+
+    def owned_range(self, b: int) -> tuple[int, int]:
+        """The region of bucket ``b`` this rank updates (inside :meth:`held_range`)."""
+        ...
+
+    def owned(self, b: int) -> torch.Tensor:
+        """The storage of :meth:`owned_range` (parameter dtype)."""
+        ...
+
+    def publish(self, b: int) -> Waitable | None:
+        """After an update of the owned region: share it with the ranks that need it (async
+        work, or None when there is nothing to wait for)."""
+        ...
+
+    def refresh(self) -> None:
+        """The held regions were overwritten outside a step (a checkpoint load): bring every
+        copy made from them up to date. Collective over the data-parallel group."""
+        ...
+
+    def attach_masters(self, masters: list[torch.Tensor]) -> None:
+        """The optimizer's master weights (one per bucket, this list kept current), for edits
+        that must reach them (ZeRO-3 ``GatheredParameters(modifier_rank=...)``)."""
+        ...
+
+    def remove_hooks(self) -> None:
+        """Remove every hook the store installed on the model."""
+        ...
+
+    def release_all(self) -> None:
+        """Free every gathered copy of parameters that is not needed between steps."""
+        ...
 
 
 class FlatStore:
@@ -166,6 +283,12 @@ class FlatStore:
         self.dp_rank = comm.get_rank(dp_group)
         self.partitioned = partitioned and comm.get_world_size(dp_group) > 1
 
+    def held_range(self, b: int) -> tuple[int, int]:
+        return 0, self.buckets[b].numel
+
+    def held(self, b: int) -> torch.Tensor:
+        return self.buckets[b].flat
+
     def owned_range(self, b: int) -> tuple[int, int]:
         """[start, stop) of bucket ``b`` (in bucket element coordinates) this rank updates."""
         bucket = self.buckets[b]
@@ -179,7 +302,7 @@ class FlatStore:
         lo, hi = self.owned_range(b)
         return self.buckets[b].flat[lo:hi]
 
-    def publish(self, b: int) -> object:
+    def publish(self, b: int) -> Waitable | None:
         """Make bucket ``b``'s updated owned region visible to every rank (async work or None)."""
         if not self.partitioned:
             return None
@@ -190,5 +313,17 @@ class FlatStore:
             self.owned(b),
             group=self.group,
             async_op=True,
-            label=f"param_bucket{b}",  # type: ignore[arg-type]
+            label=f"param_bucket{b}",
         )
+
+    def refresh(self) -> None:
+        """Nothing to do: every rank holds (and a load fills) the whole of every bucket."""
+
+    def attach_masters(self, masters: list[torch.Tensor]) -> None:
+        """Nothing to do: parameters change only through the optimizer step."""
+
+    def remove_hooks(self) -> None:
+        """Nothing to do: the store installs no hooks (the reducer's are its own)."""
+
+    def release_all(self) -> None:
+        """Nothing to do: stages 0-2 keep every parameter whole."""

@@ -16,14 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.distributed import comm
+from slipstream.distributed.quantize import quantize_blocks
 from slipstream.zero.init import deferred_init_active, partition_pending
 from slipstream.zero.init_shards import InitShards, init_owner
-from slipstream.zero.param import EXTERNAL_ATTR, OWNER_ATTR, foreign_partition_error, is_zero_param
-from slipstream.zero.stage3 import ShardedStore, Unit
+from slipstream.zero.param import EXTERNAL_ATTR, bind_, foreign_partition_error, is_zero_param
+from slipstream.zero.sharded_store import ShardedStore, unit_owner
+from slipstream.zero.units import Unit
 
 __all__ = ["GatheredParameters", "register_external_parameter", "unregister_external_parameter"]
 
-_OWNER_ATTR = OWNER_ATTR
 _EXTERNAL_ATTR = EXTERNAL_ATTR
 
 
@@ -51,10 +53,10 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 
 def _update_external(module: nn.Module, parameter: nn.Parameter, add: bool) -> None:
     """After ``initialize``: add or drop the owner unit in the unit running ``module``."""
-    owner = getattr(parameter, _OWNER_ATTR, None)
+    owner = unit_owner(parameter)
     if owner is None:
         return  # not partitioned yet: shard_params_ reads the module's list
-    store, idx = owner
+    store, idx = owner.store, owner.unit.index
     where = store.module_unit.get(id(module))
     if where is None:
         raise ValueError(
@@ -65,11 +67,11 @@ def _update_external(module: nn.Module, parameter: nn.Parameter, add: bool) -> N
     if add:
         unit.external.add(idx)
     elif not any(
-        getattr(q, _OWNER_ATTR, (None, -1))[1] == idx
+        (o := unit_owner(q)) is not None and o.unit.index == idx
         for q in module.__dict__.get(_EXTERNAL_ATTR, [])
     ):
         unit.external.discard(idx)
-    unit.uses = sorted(unit.base_uses | unit.external)
+    unit.update_uses()
     store.remove_hooks()
     store.install_hooks()
 
@@ -86,11 +88,10 @@ def _partition_owners(
     for i, p in enumerate(plist):
         if not isinstance(p, nn.Parameter):
             continue  # DeepSpeed ignores what is not a parameter
-        owner = getattr(p, _OWNER_ATTR, None)
+        owner = unit_owner(p)
         init = init_owner(p)
         if owner is not None:
-            store, idx = owner
-            units[(id(store), idx)] = (store, store.units[idx])
+            units[(id(owner.store), owner.unit.index)] = (owner.store, owner.unit)
         elif init is not None:
             group = inits.setdefault(id(init), (init, []))[1]
             if not any(q is p for q in group):
@@ -140,5 +141,51 @@ def GatheredParameters(
         for store, unit in units:
             unit.active -= 1
             if modifier_rank is not None:
-                store.set_full(unit, modifier_rank)
+                _keep_edits(store, unit, modifier_rank)
             store.release(unit)
+
+
+@torch.no_grad()
+def _keep_edits(store: ShardedStore, unit: Unit, modifier_dp_rank: int) -> None:
+    """End of a ``GatheredParameters(modifier_rank=...)`` block: broadcast the modifier's
+    values of ``unit`` and keep them in every rank's shards (and masters)."""
+    for b in unit.buckets:
+        bucket = store.buckets[b]
+        for p, view in zip(bucket.params, bucket.views):
+            _adopt(p, view)
+        if store.dp_size > 1:
+            src = comm.global_rank(store.group, modifier_dp_rank)
+            comm.broadcast(bucket.flat, src=src, group=store.group, label="gathered_params")
+        shard = store.shards[b]
+        shard.copy_(bucket.flat[bucket.shard_slice(store.dp_rank)])
+        masters = store.masters
+        if masters is not None and masters[b] is not shard:
+            if masters[b].numel() != shard.numel():
+                raise RuntimeError(
+                    "GatheredParameters(modifier_rank=...) cannot edit weights whose fp32 "
+                    "masters are swapped to NVMe (offload_optimizer.device = 'nvme') yet"
+                )
+            masters[b].copy_(shard)
+    for entry in unit.frozen:
+        _adopt(entry.param, entry.buf.view(entry.param.ds_shape))  # type: ignore[attr-defined]
+        if store.dp_size > 1:
+            src = comm.global_rank(store.group, modifier_dp_rank)
+            comm.broadcast(entry.buf, src=src, group=store.group, label="gathered_params")
+        entry.codes = quantize_blocks(entry.buf, 8, entry.codes.block)
+
+
+@torch.no_grad()
+def _adopt(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Inside ``GatheredParameters`` a user may assign ``p.data = t`` instead of editing in
+    place (as ``load_state_dict(assign=True)`` does): copy ``t`` into ``p``'s bucket view."""
+    data = p.data
+    if data.data_ptr() == view.data_ptr() and data.shape == view.shape:
+        return
+    if data.shape != view.shape:
+        raise ValueError(
+            f"GatheredParameters: a parameter of shape {tuple(view.shape)} was given a value of "
+            f"shape {tuple(data.shape)} inside the block: assign (or copy_) a tensor of the "
+            "parameter's shape"
+        )
+    view.copy_(data)
+    bind_(p, view)

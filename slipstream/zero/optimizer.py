@@ -1,10 +1,16 @@
-"""The ZeRO optimizer for stages 0-2: master weights, step, clipping, parameter gather.
+"""The ZeRO optimizer (every stage): master weights, step, clipping, parameter gather.
 
-Each bucket has a master tensor: this rank's shard of the bucket (stages 1/2) or the whole
+Each bucket has a master tensor: this rank's shard of the bucket (stages 1-3) or the whole
 bucket (stage 0), in the master dtype. When the master dtype equals the parameter dtype the
 master *is* that slice of the flat parameter storage (no copy). The wrapped torch optimizer
 updates the master tensors, so its states have the same size as the masters: 1/dp of the
-model at stages 1/2 (ZeRO-1, Rajbhandari et al. 2020, section 5.1).
+model at stages 1-3 (ZeRO-1, Rajbhandari et al. 2020, section 5.1). Where the parameters live
+(full flat buckets at stages 0-2, per-unit shards at stage 3) is the ``ParamStore``'s business.
+
+The engines and the checkpoint code use this class only through its public methods
+(``set_gradient_sync``, ``finish_backward``, ``step``, ``trains``, ``add_reduced_grad``,
+``bucket_shard(s)``, ``owned_range``, ``owned_grad``, ``reload_params``, ``release_gathered``), never its store,
+reducer or views.
 
 The optimizer sees each master as views of at most ``min(sub_group_size, OPTIMIZER_CHUNK)``
 elements (DeepSpeed's ``sub_group_size``): per-tensor temporaries of the optimizer math stay
@@ -15,22 +21,32 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
 from slipstream.optim.kinds import optimizer_kind
-from slipstream.precision import LossScaler
-from slipstream.zero.flat import Bucket, ParamStore
+from slipstream.zero.flat import Bucket, FlatSlice, ParamStore
+from slipstream.zero.grad_norm import GradNorm
+from slipstream.zero.policies import OPTIMIZER_CHUNK, StepPolicy
 from slipstream.zero.reducer import GradientReducer
-from slipstream.zero.swap import TensorSwapper
+from slipstream.zero.swap import StateSwap
 
-__all__ = ["OPTIMIZER_CHUNK", "StepPolicy", "ZeroOptimizer", "owner_of"]
+__all__ = [
+    "OPTIMIZER_CHUNK",
+    "BucketShard",
+    "StatePiece",
+    "StepPolicy",
+    "ZeroOptimizer",
+    "owner_of",
+]
 
 # param -> (its ZeRO optimizer, bucket index, index in the bucket), for the DeepSpeed helpers
 # that take only a parameter (slipstream.utils.safe_get_full_fp32_param and friends). Weak
@@ -47,48 +63,48 @@ def owner_of(param: torch.Tensor) -> tuple[ZeroOptimizer, int, int] | None:
     return None if opt is None else (opt, entry[1], entry[2])
 
 
-OPTIMIZER_CHUNK = 1 << 22
+@dataclass(frozen=True)
+class StatePiece:
+    """A tensor the inner optimizer updates: a slice of this rank's master weights that lies
+    inside one parameter.
+
+    Attributes:
+        view: the inner optimizer's parameter (its states are ``optimizer.state[view]``).
+        index: the parameter's index in its bucket.
+        extent: where ``view`` lies in the bucket (``extent.param``: in the parameter).
+    """
+
+    view: torch.Tensor
+    index: int
+    extent: FlatSlice
 
 
 @dataclass(frozen=True)
-class StepPolicy:
-    """What happens at the optimizer step besides the update itself.
+class BucketShard:
+    """One bucket as this rank holds it: what a checkpoint writes and loads.
 
     Attributes:
-        loss_scaler: fp16 loss scale (``enabled=False`` for fp32/bf16).
-        clip: global gradient-norm clip (0 disables).
-        check_overflow: skip the step when the global gradient norm is inf/nan (every rank
-            agrees: the norm is reduced over all of them). On by default in every precision.
-        prescale_gradients: divide gradients by ``predivide_factor`` before reduction.
-        predivide_factor: see ``prescale_gradients``.
-        sub_group_size: largest tensor handed to an elementwise optimizer.
-        allow_untested_optimizer: accept optimizer classes not known to be elementwise.
-        swap_dir: keep optimizer states (and separate fp32 masters) in files here between
-            steps (``offload_optimizer.device = "nvme"``).
-        offload_device: keep master weights and optimizer states here (host memory, for
-            ``offload_optimizer.device = "cpu"`` on a GPU) and run the optimizer step there;
-            gradients are copied over per bucket and updated weights copied back.
-        pin_memory: page-lock the offloaded masters (faster copies on CUDA).
-        tp_group: tensor-parallel group: the global gradient norm sums the squares of
-            tensor-parallel shards (parameters with ``tensor_parallel_dim``) over it, and
-            counts replicated parameters once.
-        pp_group: pipeline group: each stage holds different parameters, so the norm sums
-            over it (parameters marked ``grad_norm_duplicate``, e.g. the second copy of a
-            tied weight, are left out).
+        bucket: the layout (parameter names, shapes, offsets).
+        held: the ``[start, stop)`` bucket elements of ``params``.
+        params: the parameter values this rank stores between steps: the whole bucket at
+            stages 0-2, this rank's shard at stage 3.
+        owned: the ``[start, stop)`` bucket elements this rank updates (inside ``held``).
+        master: the master weights of ``owned``.
+        separate_master: ``master`` is a copy (another dtype, or offloaded), not the
+            parameter storage itself.
+        pieces: the tensors the inner optimizer updates, in order.
+        transient: the master and states are freed when the block ends (NVMe offload swaps
+            them out): copy what must outlive it.
     """
 
-    loss_scaler: LossScaler
-    clip: float = 0.0
-    check_overflow: bool = True
-    prescale_gradients: bool = False
-    predivide_factor: float = 1.0
-    sub_group_size: int = OPTIMIZER_CHUNK
-    allow_untested_optimizer: bool = False
-    swap_dir: str | None = None
-    offload_device: torch.device | None = None
-    pin_memory: bool = False
-    tp_group: comm.Group = None
-    pp_group: comm.Group = None
+    bucket: Bucket
+    held: tuple[int, int]
+    params: torch.Tensor
+    owned: tuple[int, int]
+    master: torch.Tensor
+    separate_master: bool
+    pieces: list[StatePiece]
+    transient: bool
 
 
 class ZeroOptimizer:
@@ -133,13 +149,18 @@ class ZeroOptimizer:
         self.check_overflow = step.check_overflow or step.loss_scaler.enabled
         self.offload_device = step.offload_device
         self.pin_memory = step.pin_memory
+        self._owned = [store.owned_range(b.index) for b in self.buckets]
+        self._where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.masters = [self._make_master(b, master_dtype) for b in self.buckets]
-        if hasattr(store, "masters"):
-            store.masters = self.masters  # stage 3: GatheredParameters edits reach the masters
+        store.attach_masters(self.masters)
         # One view per parameter (its part in this rank's shard) so layer-wise optimizers see
         # whole parameters; elementwise ones get big views split into sub-groups below.
-        self._chunks = [self._segments(b) for b in self.buckets]
-        self._views = [[m[c] for c in cs] for m, cs in zip(self.masters, self._chunks)]
+        # ``_extents[b][k]``: (parameter index, where view k lies in bucket b).
+        self._extents = [self._segments(b) for b in self.buckets]
+        self._views = [
+            [m[e.at(self._owned[b][0])] for _, e in self._extents[b]]
+            for b, m in enumerate(self.masters)
+        ]
         groups: list[dict[str, Any]] = [dict(h, params=[]) for h in group_hparams]
         for b, views in zip(self.buckets, self._views):
             groups[b.group_index]["params"].extend(views)
@@ -152,13 +173,14 @@ class ZeroOptimizer:
         if optimizer_kind(type(self.optimizer)) == "elementwise":
             self._split_views(max(1, min(step.sub_group_size, OPTIMIZER_CHUNK)))
         self.tp_group, self.pp_group = step.tp_group, step.pp_group
-        self._norm_parts = [self._norm_segments(b) for b in self.buckets]
+        self._norm = GradNorm(
+            self.buckets, self._owned, dp_group, self.partition, step.tp_group, step.pp_group
+        )
         self.global_grad_norm: float | None = None
         self.overflow = False
-        self.swapper: TensorSwapper | None = None
-        self._small_state: dict[tuple[int, int, str], Any] = {}
+        self.swapper: StateSwap | None = None
         if step.swap_dir is not None:
-            self.swapper = TensorSwapper(step.swap_dir, comm.get_rank())
+            self.swapper = StateSwap(step.swap_dir, comm.get_rank())
             for index in range(len(self.buckets)):
                 self._swap_out(index)
 
@@ -168,49 +190,29 @@ class ZeroOptimizer:
     def _swap_in(self, b: int) -> None:
         """Load bucket ``b``'s master (if separate) and optimizer states from their files."""
         assert self.swapper is not None
-        if f"m{b}" in self.swapper:
-            master = self.swapper.read(f"m{b}")["master"]
+        master = self.swapper.load(b, self.optimizer.state, self._views[b])
+        if master is not None:
             self.masters[b] = master
-            for view, c in zip(self._views[b], self._chunks[b]):
-                view.data = master[c]
-        if f"s{b}" in self.swapper:
-            states = self.swapper.read(f"s{b}")
-            for i, view in enumerate(self._views[b]):
-                entry = {
-                    k.split(".", 1)[1]: v for k, v in states.items() if k.split(".", 1)[0] == str(i)
-                }
-                entry.update(
-                    {k: v for (bb, ii, k), v in self._small_state.items() if (bb, ii) == (b, i)}
-                )
-                self.optimizer.state[view] = entry
+            lo = self._owned[b][0]
+            for view, (_, e) in zip(self._views[b], self._extents[b]):
+                view.data = master[e.at(lo)]
 
     def _swap_out(self, b: int) -> None:
         """Write bucket ``b``'s states (and separate master) to files and free their memory."""
         assert self.swapper is not None
-        tensors = {}
-        for i, view in enumerate(self._views[b]):
-            for k, v in self.optimizer.state.pop(view, {}).items():
-                if isinstance(v, torch.Tensor):
-                    tensors[f"{i}.{k}"] = v
-                else:
-                    self._small_state[(b, i, k)] = v
-        if tensors:
-            self.swapper.write(f"s{b}", tensors)
-        if self._separate_master(b):
-            self.swapper.write(f"m{b}", {"master": self.masters[b]})
+        separate = self._separate_master(b)
+        master = self.masters[b] if separate else None
+        self.swapper.save(b, self.optimizer.state, self._views[b], master)
+        if separate:
             self.masters[b] = self.masters[b].new_empty(0)
             for view in self._views[b]:
                 view.data = self.masters[b]
 
-    def _segments(self, bucket: Bucket) -> list[slice]:
-        """Each parameter's slice of this rank's master region (whole bucket at stage 0)."""
-        lo, hi = self.store.owned_range(bucket.index)
-        out = []
-        for off, n in zip(bucket.offsets, bucket.numels):
-            start, stop = max(off, lo), min(off + n, hi)
-            if start < stop:
-                out.append(slice(start - lo, stop - lo))
-        return out
+    def _segments(self, bucket: Bucket) -> list[tuple[int, FlatSlice]]:
+        """Each parameter's part of this rank's master region (whole bucket at stage 0)."""
+        lo, hi = self._owned[bucket.index]
+        parts = [(i, bucket.param_slice(i, lo, hi)) for i in range(len(bucket.params))]
+        return [(i, part) for i, part in parts if part]
 
     def _check_optimizer(self, allow_untested: bool) -> None:
         cls = type(self.optimizer)
@@ -223,31 +225,29 @@ class ZeroOptimizer:
             )
         if kind == "layerwise" and self.partition:
             split = [
-                b.names[i]
-                for b in self.buckets
-                for i, (off, n) in enumerate(zip(b.offsets, b.numels))
-                if any(off < s < off + n for s in range(b.shard_numel, b.numel, b.shard_numel))
+                b.names[i] for b in self.buckets for i in range(len(b.params)) if b.is_split(i)
             ]
             if split:
                 raise ConfigError(
                     f"optimizer {cls.__name__} computes per-parameter statistics, but ZeRO stage >= 1 "
                     f"splits parameters across ranks (e.g. '{split[0]}'). Use ZeRO stage 0 with "
-                    f"{cls.__name__}, or an elementwise optimizer (AdamW, Lion) at stages 1-2"
+                    f"{cls.__name__}, or an elementwise optimizer (AdamW, Lion) at stages 1-3"
                 )
 
     def _split_views(self, chunk: int) -> None:
         """Split views larger than ``chunk`` (before the first step, when state is empty)."""
-        for b, segments in enumerate(self._chunks):
+        for b, segments in enumerate(self._extents):
             pieces = [
-                slice(i, min(i + chunk, seg.stop))
-                for seg in segments
-                for i in range(seg.start, seg.stop, chunk)
+                (i, FlatSlice(seg.offset, j, min(j + chunk, seg.stop)))
+                for i, seg in segments
+                for j in range(seg.start, seg.stop, chunk)
             ]
             if len(pieces) == len(segments):
                 continue
             old = {id(v) for v in self._views[b]}
-            self._chunks[b] = pieces
-            self._views[b] = [self.masters[b][c] for c in pieces]
+            lo = self._owned[b][0]
+            self._extents[b] = pieces
+            self._views[b] = [self.masters[b][e.at(lo)] for _, e in pieces]
             for g in self.optimizer.param_groups:
                 if any(id(p) in old for p in g["params"]):
                     g["params"] = [p for p in g["params"] if id(p) not in old] + self._views[b]
@@ -298,9 +298,7 @@ class ZeroOptimizer:
     def destroy(self) -> None:
         """Remove every hook this optimizer installed on the model."""
         self.reducer.remove_hooks()
-        remove = getattr(self.store, "remove_hooks", None)
-        if remove is not None:
-            remove()
+        self.store.remove_hooks()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank."""
@@ -319,6 +317,86 @@ class ZeroOptimizer:
             if m.data_ptr() != self.store.owned(b.index).data_ptr()
         )
 
+    # ------------------------------------------------------- the engines' and checkpoint's
+    def set_gradient_sync(self, sync: bool) -> None:
+        """Whether the next backward ends an accumulation cycle: its gradients are reduced
+        across data-parallel ranks (stages 0/1 reduce only then; stages 2/3 reduce every
+        micro-step and accumulate the reduced shards)."""
+        self.reducer.sync = sync
+
+    def finish_backward(self) -> None:
+        """Finish the backward pass that just ran: launch the reductions still pending and
+        wait for all of them (at stage 3 this also releases the units gathered for it)."""
+        self.reducer.wait()
+
+    def trains(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the parameters this optimizer updates."""
+        return id(p) in self._where
+
+    def add_reduced_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` (``p``'s full gradient, already averaged over the data-parallel
+        ranks) to the gradient the next ``step`` applies; this rank keeps its part of it.
+
+        Call it after the backward passes of a cycle (``finish_backward``) and before
+        ``step``. Raises ``KeyError`` for a parameter the optimizer does not train.
+        """
+        b, i = self._where[id(p)]
+        lo, hi = self._owned[b]
+        mine = self.buckets[b].param_slice(i, lo, hi)
+        if mine:
+            shard = self.owned_grad(b)
+            shard[mine.at(lo)] += grad.reshape(-1)[mine.param].to(shard.dtype)
+
+    @contextmanager
+    def bucket_shard(self, b: int) -> Iterator[BucketShard]:
+        """Bucket ``b`` as this rank holds it, its master and optimizer states in memory for
+        the block (NVMe offload swaps them in and out). Writes to the record's tensors land
+        in the parameters, masters and optimizer states; after writing parameter values of
+        several ranks' regions (a checkpoint load) call :meth:`reload_params`."""
+        if self.swapper is not None:
+            self._swap_in(b)
+        try:
+            yield BucketShard(
+                bucket=self.buckets[b],
+                held=self.store.held_range(b),
+                params=self.store.held(b),
+                owned=self._owned[b],
+                master=self.masters[b],
+                separate_master=self._separate_master(b),
+                pieces=[
+                    StatePiece(view, i, e) for view, (i, e) in zip(self._views[b], self._extents[b])
+                ],
+                transient=self.swapper is not None,
+            )
+        finally:
+            if self.swapper is not None:
+                self._swap_out(b)
+
+    def bucket_shards(self) -> Iterator[BucketShard]:
+        """:meth:`bucket_shard` of every bucket in turn."""
+        for b in range(len(self.buckets)):
+            with self.bucket_shard(b) as shard:
+                yield shard
+
+    def owned_range(self, b: int) -> tuple[int, int]:
+        """The ``[start, stop)`` elements of bucket ``b`` this rank updates."""
+        return self._owned[b]
+
+    def owned_grad(self, b: int) -> torch.Tensor:
+        """This rank's reduced gradient of bucket ``b``'s owned region (what ``step`` applies;
+        complete after ``finish_backward`` on an accumulation boundary)."""
+        return self.reducer.grad_shard(b)
+
+    def release_gathered(self) -> None:
+        """ZeRO-3: release every gathered unit now (persistent ones stay); else a no-op."""
+        self.store.release_all()
+
+    def reload_params(self) -> None:
+        """After writing parameter values through :meth:`bucket_shards` (a checkpoint load):
+        refresh every copy made from them (ZeRO-3's persistent units, hpZ's secondary
+        shards). Collective over the data-parallel group."""
+        self.store.refresh()
+
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self) -> bool:
@@ -326,7 +404,7 @@ class ZeroOptimizer:
         self.reducer.wait()
         grads = [self.reducer.grad_shard(i) for i in range(len(self.buckets))]
         inv_scale = 1.0 / self.loss_scaler.scale
-        norm = self._global_norm(grads) * inv_scale
+        norm = self._norm(grads) * inv_scale
         self.global_grad_norm = norm
         self.overflow = self.check_overflow and not math.isfinite(norm)
         self.loss_scaler.update(self.overflow)
@@ -344,8 +422,9 @@ class ZeroOptimizer:
                 grad.mul_(coef)
             if self.swapper is not None:
                 self._swap_in(b)
-            for view, c in zip(self._views[b], self._chunks[b]):
-                g = grad[c]
+            lo = self._owned[b][0]
+            for view, (_, e) in zip(self._views[b], self._extents[b]):
+                g = grad[e.at(lo)]
                 same = g.dtype == view.dtype and g.device == view.device
                 view.grad = g if same else g.to(device=view.device, dtype=view.dtype)
             self.optimizer.step()
@@ -359,56 +438,6 @@ class ZeroOptimizer:
                 w.wait()
         self.reducer.zero()
         return True
-
-    def _norm_segments(self, bucket: Bucket) -> list[tuple[slice, int]] | None:
-        """(slice of this rank's shard, kind) per parameter: 0 tensor-parallel shard,
-        1 replicated, 2 left out of the norm; None when every parameter is replicated."""
-        if self.tp_group is None and self.pp_group is None:
-            return None
-        lo, hi = self.store.owned_range(bucket.index)
-        parts = []
-        for off, p, n in zip(bucket.offsets, bucket.params, bucket.numels):
-            start, stop = max(off, lo), min(off + n, hi)
-            if start < stop:
-                kind = 2 if getattr(p, "grad_norm_duplicate", False) else 1
-                if kind == 1 and getattr(p, "tensor_parallel_dim", None) is not None:
-                    kind = 0
-                parts.append((slice(start - lo, stop - lo), kind))
-        return None if all(k == 1 for _, k in parts) else parts
-
-    def _global_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        """L2 norm of the whole model's gradient: over data-, tensor- and pipeline-parallel
-        ranks, each element counted once.
-
-        Every rank gets a non-finite result when any rank holds an inf/nan gradient, which
-        is what lets ``step`` skip (or raise) everywhere at once: the data-parallel squares
-        are all-reduced at stages 1-3 (at stage 0 the gradients themselves were, and a sum
-        keeps inf/nan), the tensor- and pipeline-parallel reductions carry them the rest of
-        the way. Communication: at most one small all-reduce per group, none at stage 0
-        without model parallelism.
-        """
-        device = grads[0].device if grads else torch.device("cpu")
-        sq = torch.zeros(3, dtype=torch.float32, device=device)  # tp-sharded, replicated, skip
-        for g, parts in zip(grads, self._norm_parts):
-            if parts is None:
-                sq[1] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                continue
-            for sl, kind in parts:
-                sq[kind] += torch.linalg.vector_norm(g[sl], dtype=torch.float32).square()
-        if self.partition:
-            comm.all_reduce(sq, group=self.group, label="grad_norm")
-        if self.tp_group is not None:
-            # Replicated parameters are counted once, so their squares stay local; send
-            # ``sq[1] * 0`` along (0 when finite, nan otherwise) so that a non-finite value on
-            # one tensor-parallel rank reaches all of them in the same message.
-            both = torch.stack([sq[0], sq[1] * 0])
-            comm.all_reduce(both, group=self.tp_group, label="grad_norm")
-            sq[0] = both[0]
-            sq[1] += both[1]
-        total = sq[:2].sum()
-        if self.pp_group is not None:
-            comm.all_reduce(total, group=self.pp_group, label="grad_norm")
-        return float(total.sqrt())
 
     def _publish(self, b: int) -> Any:
         """Copy bucket ``b``'s updated master into the parameters; start sharing it."""

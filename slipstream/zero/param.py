@@ -34,9 +34,10 @@ __all__ = [
     "is_zero_param",
 ]
 
-# Which slipstream object manages a partitioned parameter: a ZeRO-3 store (after initialize)
-# or a zero.Init partition (before). Tensors must not be dict keys (== would read them), so the
-# record hangs on the parameter.
+# Which slipstream object manages a partitioned parameter: a ZeRO-3 store and unit after
+# initialize (a ``UnitOwner``, read with ``sharded_store.unit_owner``) or a zero.Init partition
+# before (read with ``init_shards.init_owner``). Tensors must not be dict keys (== would read
+# them), so the record hangs on the parameter; only those two accessors read it.
 OWNER_ATTR = "_slipstream_z3_owner"
 INIT_OWNER_ATTR = "_slipstream_init_owner"
 EXTERNAL_ATTR = "_slipstream_z3_external"  # register_external_parameter's list, per module

@@ -1,4 +1,4 @@
-"""Gradient accumulation and bucketed, overlapped reduction for ZeRO stages 0-2.
+"""Gradient accumulation and bucketed, overlapped reduction for every ZeRO stage.
 
 A post-accumulate-grad hook on every trainable parameter adds its gradient into a flat,
 bucket-sized buffer in the accumulation dtype (fp32 by default, so bf16/fp16 gradients are
@@ -8,8 +8,10 @@ backward continues:
 
 * stage 0/1: the whole-model buffer is all-reduced on the accumulation boundary only
   (micro-steps in between accumulate locally, like DDP's ``no_sync``);
-* stage 2: every micro-step reduce-scatters each bucket into this rank's shard accumulator,
-  so no rank keeps a full set of gradients (ZeRO-2, Rajbhandari et al. 2020, section 5.2).
+* stages 2/3: every micro-step reduce-scatters each bucket into this rank's shard
+  accumulator, so no rank keeps a full set of gradients (ZeRO-2, Rajbhandari et al. 2020,
+  section 5.2); at stage 3 a :class:`GradientListener` (the parameter store) hears when a
+  bucket's gradients are all in, to free its unit.
 
 Buckets are launched strictly in index order on every rank, so ranks issue identical
 collective sequences even when parameters are unused or gradients arrive in another order.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,7 +35,19 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.zero.flat import Bucket
 
-__all__ = ["GradientReducer", "ReducePolicy"]
+__all__ = ["GradientListener", "GradientReducer", "ReducePolicy"]
+
+
+class GradientListener(Protocol):
+    """Told about the progress of a backward pass (ZeRO-3's store frees units with it)."""
+
+    def on_bucket_ready(self, b: int) -> None:
+        """Every parameter of bucket ``b`` received its gradient in this pass."""
+        ...
+
+    def on_pass_end(self) -> None:
+        """The backward pass ended (its reductions are complete)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +55,7 @@ class ReducePolicy:
     """How gradients are accumulated and reduced.
 
     Attributes:
-        partition_grads: stage 2 (reduce-scatter into shards) instead of all-reduce.
+        partition_grads: stages 2/3 (reduce-scatter into shards) instead of all-reduce.
         accum_dtype: dtype of the accumulation buffers.
         reduce_dtype: dtype on the wire.
         overlap: launch collectives asynchronously during backward.
@@ -90,18 +104,18 @@ class GradientReducer:
         dp_group: comm.Group,
         policy: ReducePolicy,
         shard_grads: bool,
-        listener: Any = None,
+        listener: GradientListener | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.group = dp_group
         self.dp_size = comm.get_world_size(dp_group)
         self.dp_rank = comm.get_rank(dp_group)
         self.policy = policy
-        self.shard_grads = shard_grads  # optimizer sees a shard (stage 1/2), not the bucket
+        self.shard_grads = shard_grads  # optimizer sees a shard (stages 1-3), not the bucket
         # Stage 3 frees a unit's gathered parameters once its gradients are in: the listener
         # gets on_bucket_ready(b) and on_pass_end().
         self.listener = listener
-        self.sync = True  # set by the engine: is this backward an accumulation boundary?
+        self.sync = True  # ZeroOptimizer.set_gradient_sync: is this backward a boundary?
         self._device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
         size = (lambda b: b.shard_numel) if policy.partition_grads else (lambda b: b.numel)
         self._accum = [self._empty(size(b)) for b in self.buckets]

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["SwapError", "TensorSwapper"]
+__all__ = ["StateSwap", "SwapError", "TensorSwapper"]
 
 
 class SwapError(RuntimeError):
@@ -101,3 +103,53 @@ class TensorSwapper:
 
     def bytes_on_disk(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
+
+
+class StateSwap:
+    """Keeps each bucket's optimizer states (and its separate master, when it has one) in
+    files between uses: the optimizer swaps one bucket in, updates it and swaps it out.
+
+    Tensor states go to the files; scalar ones (Adam's ``step`` when it is a number) stay in
+    memory, keyed by bucket, view index and name.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], rank: int) -> None:
+        self.files = TensorSwapper(directory, rank)
+        self._small: dict[tuple[int, int, str], Any] = {}
+
+    def load(
+        self, b: int, state: MutableMapping[Any, Any], views: list[torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Put bucket ``b``'s states back into ``state`` (the inner optimizer's, keyed by
+        ``views``); returns the master written out by :meth:`save`, if any."""
+        master = self.files.read(f"m{b}")["master"] if f"m{b}" in self.files else None
+        if f"s{b}" in self.files:
+            states = self.files.read(f"s{b}")
+            for i, view in enumerate(views):
+                entry = {
+                    k.split(".", 1)[1]: v for k, v in states.items() if k.split(".", 1)[0] == str(i)
+                }
+                entry.update({k: v for (bb, ii, k), v in self._small.items() if (bb, ii) == (b, i)})
+                state[view] = entry
+        return master
+
+    def save(
+        self,
+        b: int,
+        state: MutableMapping[Any, Any],
+        views: list[torch.Tensor],
+        master: torch.Tensor | None,
+    ) -> None:
+        """Write bucket ``b``'s states (taking them out of ``state``) and ``master`` (when it
+        is separate from the parameters) to files; the caller frees the master."""
+        tensors = {}
+        for i, view in enumerate(views):
+            for k, v in state.pop(view, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{i}.{k}"] = v
+                else:
+                    self._small[(b, i, k)] = v
+        if tensors:
+            self.files.write(f"s{b}", tensors)
+        if master is not None:
+            self.files.write(f"m{b}", {"master": master})

@@ -22,6 +22,7 @@ from torch import nn
 
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.distributed.placement import mark_duplicate_
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
 from slipstream.parallel.tensor import TPPlan, add_block_plan
 
@@ -327,7 +328,7 @@ class PipelineModule(nn.Module):
                         comm.broadcast(p.data, src=ranks[0], group=group, label=f"tied_{key}")
                         if self.stage_id != stages[0]:
                             # Counted once in the global gradient norm (the optimizer skips it).
-                            p.grad_norm_duplicate = True  # type: ignore[attr-defined]
+                            mark_duplicate_(p)
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         """The shared parameters of tied ``key`` on this rank."""

@@ -23,6 +23,7 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
+from slipstream.distributed.placement import mark_tp_grad_summed_, tp_grad_summed
 from slipstream.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
 from slipstream.parallel.tensor.collectives import all_reduce
 from slipstream.parallel.tensor.layers import (
@@ -199,9 +200,9 @@ def _forked_dropout(module: nn.Module, tracker: RNGStatesTracker) -> None:
 
 def _sum_grad_over(p: nn.Parameter, group: comm.Group) -> None:
     """Each TP rank saw 1/tp of the tokens: the gradient is the sum over the group."""
-    if getattr(p, "sequence_parallel", False):
+    if tp_grad_summed(p):
         return  # shared by two norms (tied): one hook
-    p.sequence_parallel = True  # type: ignore[attr-defined]
+    mark_tp_grad_summed_(p)
     p.register_hook(lambda g: all_reduce(g, group))
 
 

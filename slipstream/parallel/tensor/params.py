@@ -1,10 +1,10 @@
 """Tensor-parallel parameters: a rank's slice of a weight, and the full weight back.
 
 A sharded parameter stays the same ``nn.Parameter`` object (optimizers built earlier, names and
-checkpoints keep working); its data becomes the local slice and it carries
-``tensor_parallel_dim`` (the split dimension of the logical weight), ``tensor_parallel_parts``
-(equal blocks fused along that dimension, e.g. q|k|v) and the rank and size that cut it, which
-the gradient norm and the checkpoint code read.
+checkpoints keep working); its data becomes the local slice and its
+:class:`~slipstream.distributed.placement.TPShard` (split dimension of the logical weight, equal
+blocks fused along it such as q|k|v, the rank and size that cut it) is what the gradient norm
+and the checkpoint code read.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.distributed.placement import TPShard, set_tp_shard_, tp_shard
 from slipstream.parallel.tensor.collectives import all_gather
 
 __all__ = ["is_tp_sharded", "shard_param_", "unshard_tp"]
@@ -30,14 +31,12 @@ def shard_param_(p: nn.Parameter, dim: int, group: comm.Group, parts: int = 1) -
     # swap_tensors, not .data: a parameter that already ran backward caches its old shape
     # in its gradient accumulator. The Parameter object (and its identity) stays.
     torch.utils.swap_tensors(p, nn.Parameter(local, requires_grad=p.requires_grad))
-    p.tensor_parallel_dim = dim  # type: ignore[attr-defined]
-    p.tensor_parallel_parts = parts  # type: ignore[attr-defined]
-    p.tensor_parallel_rank, p.tensor_parallel_size = rank, world  # type: ignore[attr-defined]
+    set_tp_shard_(p, TPShard(dim=dim, parts=parts, rank=rank, size=world))
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
     """True for a parameter holding one TP rank's slice."""
-    return getattr(p, "tensor_parallel_dim", None) is not None
+    return tp_shard(p) is not None
 
 
 def unshard_tp(
@@ -47,10 +46,10 @@ def unshard_tp(
     sharded like ``p``, e.g. its gradient); replicated tensors are returned as they are.
     Collective over ``group``."""
     value = (p if value is None else value).detach()
-    dim = getattr(p, "tensor_parallel_dim", None)
-    if dim is None or comm.get_world_size(group) == 1:
+    shard = tp_shard(p)
+    if shard is None or comm.get_world_size(group) == 1:
         return value
-    parts = getattr(p, "tensor_parallel_parts", 1)
+    dim, parts = shard.dim, shard.parts
     world = comm.get_world_size(group)
     full = all_gather(value, group, dim)  # rank-major: [rank0 blocks..., rank1 ...]
     if parts == 1:
