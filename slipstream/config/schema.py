@@ -109,7 +109,6 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "eigenvalue": "eigenvalue computation is not implemented yet",
     "quantize_training": "quantization-aware training is not implemented yet",
     "timers": "timer options are not implemented yet; use wall_clock_breakdown",
-    "memory_breakdown": "memory_breakdown is not implemented yet",
     "dump_state": "dump_state is not implemented yet",
 }
 
@@ -164,6 +163,9 @@ class SlipstreamConfig(StrictModel):
     sparse_gradients: bool = False
     """Sparse embedding gradients (not supported: must stay false)."""
     wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    """Log this rank's memory at the forward/backward/step boundaries and its model-state
+    bytes against the ZeRO estimator, with every step line (``steps_per_print``)."""
     """Time forward, backward and step and log them every ``steps_per_print`` steps."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication counters."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from slipstream.precision import (
 )
 from slipstream.profiling.monitor import MonitorMaster
 from slipstream.runtime._deepspeed_engine import DeepSpeedEngineAttributes
+from slipstream.runtime.memory_report import MemoryBreakdown
 from slipstream.runtime.step_profiler import StepProfiler
 from slipstream.runtime.timers import StepTimers
 from slipstream.zero import ZeroOptimizer, gathered_model, save_16bit_model
@@ -88,6 +89,11 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         if config.comms_logger.enabled and device.type == "cuda":
             set_device_sync(torch.cuda.synchronize)  # per-collective times, as DeepSpeed's
         self._started: float | None = None  # the first forward: the comm summary's time base
+        self.memory: MemoryBreakdown | None = (
+            MemoryBreakdown(device) if config.memory_breakdown else None
+        )
+        """``memory_breakdown``: memory at the phase boundaries (``initialize`` sets the
+        estimator)."""
 
     # ---------------------------------------------------------------- introspection
     def train_batch_size(self) -> int:
@@ -158,10 +164,14 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         with self._timers.phase("forward"), self._profiled("forward"):
             return self.module(*inputs, **kwargs)
 
-    def _profiled(self, phase: str) -> AbstractContextManager[None]:
-        if self.flops_profiler is None:
-            return nullcontext()
-        return self.flops_profiler.phase(phase, self.global_steps)
+    @contextmanager
+    def _profiled(self, phase: str) -> Iterator[None]:
+        """The FLOPs profiler and the memory breakdown around one phase (when enabled)."""
+        flops = self.flops_profiler
+        with nullcontext() if flops is None else flops.phase(phase, self.global_steps):
+            yield
+        if self.memory is not None:
+            self.memory.record(phase)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss as ``backward`` would differentiate it (1/accumulation x loss scale)."""
@@ -408,6 +418,8 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         )
         if self.flops_profiler is not None:
             msg += self.flops_profiler.mfu_report(every, elapsed)
+        if self.memory is not None:
+            msg += " | " + self.memory.report(self.optimizer)
         if self.config.wall_clock_breakdown:
             msg += " | " + self._timers.report(every)
         log_rank0(msg)

@@ -6,6 +6,7 @@ This is the thin facade of DESIGN.md: it parses the config once, builds the mesh
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -33,7 +34,7 @@ from slipstream.runtime._foreign import refuse_real_deepspeed
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.parallelize import axis_group, parallelize_
 from slipstream.runtime.pipeline_engine import PipelineEngine
-from slipstream.zero import StepPolicy, ZeroOptimizer, shard_zero_
+from slipstream.zero import StepPolicy, ZeroOptimizer, estimate_memory, shard_zero_
 from slipstream.zero.init import (
     has_meta_parameters,
     is_partitioned_model,
@@ -155,6 +156,8 @@ def initialize(
         )
     engine = _engine_class(model)(model, zero_opt, scheduler, cfg, mesh, device)
     engine.training_dataloader = loader
+    if engine.memory is not None:
+        engine.memory.estimator = _memory_estimator(model, cfg, policy, comm.get_world_size(group))
     log_rank0(
         "slipstream: world=%d dp=%d sp=%d tp=%d pp=%d zero_stage=%d dtype=%s batch=%s "
         "(global, micro, accumulation)",
@@ -168,6 +171,31 @@ def initialize(
         cfg.batch,
     )
     return engine, zero_opt, loader, scheduler
+
+
+def _memory_estimator(
+    model: nn.Module, cfg: SlipstreamConfig, policy: PrecisionPolicy, world: int
+) -> Callable[[int], dict[str, int]]:
+    """``zero.estimate_memory`` for this layout, as a function of the optimizer's state
+    tensors per parameter (``memory_breakdown`` compares it with what the rank holds)."""
+    zero = cfg.zero_optimization
+    off_opt, off_param = zero.offload_optimizer, zero.offload_param
+    return functools.partial(
+        _estimate,
+        model,
+        world,
+        zero.stage,
+        param_dtype=policy.param_dtype,
+        master_dtype=policy.master_dtype,
+        grad_dtype=policy.grad_accum_dtype,
+        hpz_partition_size=zero.zero_hpz_partition_size if zero.stage == 3 else 1,
+        offload_optimizer=off_opt.device if off_opt is not None and off_opt.enabled else None,
+        offload_param=off_param.device if off_param is not None and off_param.enabled else None,
+    )
+
+
+def _estimate(model: nn.Module, world: int, stage: int, states: int, **kw: Any) -> dict[str, int]:
+    return estimate_memory(model, world, stage, optimizer_states=states, **kw)
 
 
 def _parallel_dims(cfg: SlipstreamConfig, model: nn.Module) -> ParallelDims:

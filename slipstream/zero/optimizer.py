@@ -317,6 +317,21 @@ class ZeroOptimizer:
             if m.data_ptr() != self.store.owned(b.index).data_ptr()
         )
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds between steps, by kind, to compare with
+        ``zero.estimate_memory``: the parameter storage (the whole bucket at stages 0-2, the
+        shard at stage 3), the gradient accumulators, separate master weights and the
+        optimizer states."""
+        return {
+            "params": sum(
+                self.store.held(b.index).numel() * self.store.held(b.index).element_size()
+                for b in self.buckets
+            ),
+            "grads": self.reducer.grad_bytes(),
+            "master": self.master_bytes(),
+            "optimizer": self.state_bytes(),
+        }
+
     # ------------------------------------------------------- the engines' and checkpoint's
     def set_gradient_sync(self, sync: bool) -> None:
         """Whether the next backward ends an accumulation cycle: its gradients are reduced

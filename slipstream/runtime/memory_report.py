@@ -1,0 +1,97 @@
+"""``memory_breakdown``: where this rank's memory goes, logged with every step line.
+
+At the end of each forward, backward and optimizer step the engine records the accelerator's
+allocated and peak-allocated bytes (on CUDA) and the process's resident set size on the host;
+every ``steps_per_print`` steps rank 0 logs, for its own rank, the latest value at each
+boundary and the peak since the previous line, and the model-state bytes this rank holds
+(parameters, gradient accumulators, master weights, optimizer states) next to what
+``zero.estimate_memory`` predicts for the same layout.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from slipstream.zero import ZeroOptimizer
+
+__all__ = ["MemoryBreakdown", "host_rss_bytes"]
+
+_MB = 2**20
+
+
+def _states_per_param(optimizer: ZeroOptimizer) -> int | None:
+    """Full-size state tensors per parameter (Adam: 2), None before the first step."""
+    for state in optimizer.state.values():
+        sizes = [v.numel() for v in state.values() if isinstance(v, torch.Tensor)]
+        if sizes:
+            return sum(n == max(sizes) for n in sizes)
+    return None
+
+
+def host_rss_bytes() -> int:
+    """This process's resident set size (Linux ``/proc``; the peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class _Point:
+    allocated: int = 0
+    peak: int = 0
+    rss: int = 0
+
+
+@dataclass
+class MemoryBreakdown:
+    """Memory at the step boundaries of one engine (see the module docstring)."""
+
+    device: torch.device
+    estimator: Callable[[int], dict[str, int]] | None = None
+    """``zero.estimate_memory`` for this model and layout, given the optimizer's state
+    tensors per parameter (counted from the optimizer once it has stepped)."""
+    points: dict[str, _Point] = field(default_factory=dict)
+    peak_rss: int = 0
+
+    def record(self, phase: str) -> None:
+        """Called by the engine when ``phase`` (forward/backward/step) ends."""
+        point = _Point(rss=host_rss_bytes())
+        if self.device.type == "cuda":
+            point.allocated = torch.cuda.memory_allocated(self.device)
+            point.peak = torch.cuda.max_memory_allocated(self.device)
+        self.points[phase] = point
+        self.peak_rss = max(self.peak_rss, point.rss)
+
+    def report(self, optimizer: ZeroOptimizer | None) -> str:
+        """One log line: each boundary, the peaks, the model states vs the estimate; resets
+        the peaks."""
+        parts = []
+        for phase, p in self.points.items():
+            if self.device.type == "cuda":
+                parts.append(
+                    f"{phase}: alloc {p.allocated / _MB:.1f} MB peak {p.peak / _MB:.1f} MB "
+                    f"rss {p.rss / _MB:.1f} MB"
+                )
+            else:
+                parts.append(f"{phase}: rss {p.rss / _MB:.1f} MB")
+        text = "memory " + " | ".join(parts) + f" | peak rss {self.peak_rss / _MB:.1f} MB"
+        if optimizer is not None:
+            held = optimizer.memory_bytes()
+            total = sum(held.values())
+            kinds = " + ".join(f"{k} {v / _MB:.2f}" for k, v in held.items())
+            text += f" | model states {kinds} = {total / _MB:.2f} MB"
+            states = _states_per_param(optimizer)
+            if self.estimator is not None and states is not None:
+                estimate = self.estimator(states)
+                text += f" (ZeRO estimator: {estimate['total'] / _MB:.2f} MB)"
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak_rss = 0
+        return text
