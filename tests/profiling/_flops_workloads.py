@@ -21,6 +21,9 @@ def profiled_training(out_dir: str) -> dict[str, Any]:
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2},
+        # The three observability blocks of a DeepSpeed config, together, as DeepSpeed spells them.
+        "tensorboard": {"enabled": True, "output_path": out_dir, "job_name": "tb"},
+        "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "csv"},
         "flops_profiler": {
             "enabled": True,
             "profile_step": 1,

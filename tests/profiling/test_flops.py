@@ -120,12 +120,14 @@ def test_get_model_profile_matches_deepspeed_signature(tmp_path: Path) -> None:
 
 
 def test_engine_profiles_one_step_on_rank_zero(tmp_path: Path) -> None:
-    """With the config block: rank 0 writes the profile of step 1 and knows the FLOPs of a
+    """With the config block (beside tensorboard and csv_monitor): rank 0 writes the profile of step 1 and knows the FLOPs of a
     step (2 micro-batches: 2 x (forward + counted backward)); rank 1 does not profile."""
     results = run_world(w.profiled_training, 2, str(tmp_path))
     rank0, rank1 = results
     assert rank0["profiled"] and not rank1["profiled"]
     text = (tmp_path / "profile.txt").read_text()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "csv" / "Train_Samples_train_loss.csv").is_file()
     assert "Profile summary at step 1" in text and "MFU" in text
     c = rank0["config"]
     fwd_macs = _gpt_matmul_macs(c, 2, 16)
