@@ -136,7 +136,7 @@ def _draw(ax: Any, name: str, series: Iterable[tuple[float, float]]) -> None:
     values = [v for _, v in points]
     ax.plot(steps, values, linewidth=1.2)
     ax.set_title(name, fontsize=9)
-    ax.set_xlabel("step", fontsize=8)
+    ax.set_xlabel("samples" if "samples" in name.lower() else "step", fontsize=8)
     ax.grid(alpha=0.3)
     if name.lower().endswith("loss") and values and min(values) > 0:
         ax.set_yscale("log")
