@@ -163,10 +163,10 @@ class SlipstreamConfig(StrictModel):
     sparse_gradients: bool = False
     """Sparse embedding gradients (not supported: must stay false)."""
     wall_clock_breakdown: bool = False
+    """Time forward, backward and step and log them every ``steps_per_print`` steps."""
     memory_breakdown: bool = False
     """Log this rank's memory at the forward/backward/step boundaries and its model-state
     bytes against the ZeRO estimator, with every step line (``steps_per_print``)."""
-    """Time forward, backward and step and log them every ``steps_per_print`` steps."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication counters."""
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
