@@ -135,8 +135,9 @@ def _live_bytes_peak(prof: Any, since_ns: int) -> int:
 
 
 def _body(case: Case, args: argparse.Namespace, rank: int, device: torch.device) -> dict[str, Any]:
-    import slipstream
     from torch.profiler import ProfilerActivity, profile
+
+    import slipstream
 
     layout = _layout(case, args)
     config = layout_to_config(layout, dtype="fp32")

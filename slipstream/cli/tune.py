@@ -12,6 +12,7 @@ error in any rank) ends at once and its last output is shown; a run that outlive
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -34,10 +35,19 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "tune", help="autotune a training config: predict, then measure the best layouts",
         description=__doc__, allow_abbrev=False,
+        usage="slipstream tune SCRIPT --config CFG.json --nproc N [options] [-- SCRIPT_ARGS]",
     )  # fmt: skip
-    p.add_argument("--config", required=True, type=Path,
+    _add_options(p)
+    p.add_argument("script", help="training script (gets --deepspeed_config PATH)")
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="tune options, then -- and the script's own arguments")  # fmt: skip
+    p.set_defaults(handler=tune_command)
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None,
                    help="the DeepSpeed/slipstream JSON config (its autotuning block is read)")  # fmt: skip
-    p.add_argument("--nproc", type=int, required=True, help="ranks on this machine")
+    p.add_argument("--nproc", type=int, default=None, help="ranks on this machine")
     p.add_argument("--top", type=int, default=None,
                    help="candidates to measure (default: 3 with autotuning.fast, else "
                    "tuner_num_trials)")  # fmt: skip
@@ -53,9 +63,28 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--output", type=Path, default=None,
                    help="best config path (default: results_dir/ds_config_optimal.json)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the ranking, run nothing")
-    p.add_argument("script", help="training script (gets --deepspeed_config PATH)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(handler=tune_command)
+
+
+def _options_after_script(args: argparse.Namespace) -> None:
+    """Tune options may also follow the script (``slipstream tune train.py --config c.json
+    --nproc 2 -- --lr 1``): parse what comes before ``--``; the rest is the script's."""
+    rest = list(args.rest)
+    cut = rest.index("--") if "--" in rest else len(rest)
+    options, args.script_args = rest[:cut], rest[cut + 1 :]
+    if options:
+        parser = argparse.ArgumentParser(prog="slipstream tune", add_help=False,
+                                         allow_abbrev=False)  # fmt: skip
+        _add_options(parser)
+        parsed, unknown = parser.parse_known_args(options)
+        if unknown:
+            raise ValueError(f"unknown tune option(s) {unknown}: the script's own arguments "
+                             "go after --")  # fmt: skip
+        defaults = parser.parse_args([])
+        for key, value in vars(parsed).items():
+            if value != getattr(defaults, key):
+                setattr(args, key, value)
+    if args.config is None or args.nproc is None:
+        raise ValueError("give --config CFG.json and --nproc N")
 
 
 @dataclass
@@ -74,6 +103,7 @@ def tune_command(args: argparse.Namespace) -> int:
     """Handler of ``slipstream tune``: 0 when a candidate ran, 1 when all failed, 2 for bad
     input."""
     try:
+        _options_after_script(args)
         return _tune(args)
     except (ValueError, OSError) as err:
         print(f"slipstream tune: error: {err}", file=sys.stderr)
@@ -280,10 +310,8 @@ def _stop_group(proc: subprocess.Popen[str], grace: float) -> None:
 
 
 def _kill_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _table(rows: list[tuple[Any, Any]], metric: str) -> str:
@@ -320,13 +348,16 @@ def _write_results(rows: list[tuple[Any, Measurement]], base: dict[str, Any], at
     summary = {
         "metric": at.metric,
         "candidates": [
-            {"name": c.name, "layout": c.prediction.layout.to_dict(),
-             "predicted_samples_per_s": c.prediction.samples_per_s,
-             "predicted_step_time_s": c.prediction.step_time_s,
-             "predicted_memory_bytes": c.prediction.memory_per_rank_bytes,
-             "measured": m.__dict__}
+            {
+                "name": c.name,
+                "layout": c.prediction.layout.to_dict(),
+                "predicted_samples_per_s": c.prediction.samples_per_s,
+                "predicted_step_time_s": c.prediction.step_time_s,
+                "predicted_memory_bytes": c.prediction.memory_per_rank_bytes,
+                "measured": m.__dict__,
+            }
             for c, m in rows
-        ],  # fmt: skip
+        ],
     }
     if not done:
         (results / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -134,7 +134,5 @@ class AutotuningConfig(StrictModel):
                 f"min_train_micro_batch_size_per_gpu = {self.min_train_micro_batch_size_per_gpu}"
             )
         if self.model_info is not None and self.model_info_path is not None:
-            raise ConfigError(
-                "autotuning: give model_info or model_info_path, not both"
-            )
+            raise ConfigError("autotuning: give model_info or model_info_path, not both")
         return self

@@ -149,8 +149,11 @@ def _global_batches(config: dict[str, Any], at: AutotuningConfig, world: int) ->
         return [batch]
     accumulation = config.get("gradient_accumulation_steps")
     accumulation = accumulation if isinstance(accumulation, int) else 1
-    micro, out = at.min_train_micro_batch_size_per_gpu, []
-    while micro <= at.max_train_micro_batch_size_per_gpu and len(out) < at.num_tuning_micro_batch_sizes:
+    micro, out = at.min_train_micro_batch_size_per_gpu, list[int]()
+    while (
+        micro <= at.max_train_micro_batch_size_per_gpu
+        and len(out) < at.num_tuning_micro_batch_sizes
+    ):
         total = micro * accumulation * world
         if total >= at.min_train_batch_size and (
             at.max_train_batch_size is None or total <= at.max_train_batch_size

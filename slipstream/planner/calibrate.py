@@ -124,7 +124,7 @@ def _rank_worker(rank: int, nproc: int, port: int, queue: Any) -> None:
         comm.barrier()
         # Every rank runs the same number of all-reduces (a collective cannot be timed by
         # each rank for its own duration): 20 small ones, 3 large ones.
-        result[nbytes] = _timed_count(lambda t=t: comm.all_reduce(t), 20 if nbytes == _SMALL
+        result[str(nbytes)] = _timed_count(lambda t=t: comm.all_reduce(t), 20 if nbytes == _SMALL
                                       else 3, device)  # fmt: skip
     comm.destroy_process_group()
     queue.put((rank, result))
@@ -172,8 +172,8 @@ def _fit_allreduce(t_small: float, t_large: float, nproc: int) -> tuple[float, f
 def measure_allreduce(timeout_s: float = 60.0, nproc: int = 2) -> tuple[float, float]:
     """(latency seconds, per-link bandwidth bytes/s) of an ``nproc``-process all-reduce."""
     ranks = _measure_ranks(nproc, timeout_s)
-    slowest = max(ranks, key=lambda r: r[_LARGE])
-    return _fit_allreduce(slowest[_SMALL], slowest[_LARGE], nproc)
+    slowest = max(ranks, key=lambda r: r[str(_LARGE)])
+    return _fit_allreduce(slowest[str(_SMALL)], slowest[str(_LARGE)], nproc)
 
 
 def _device_memory() -> int:
@@ -202,8 +202,8 @@ def calibrate(path: str | os.PathLike[str] | None = None, nproc: int | None = No
         (ranks[0]["gemm"][i][0], min(r["gemm"][i][1] for r in ranks))
         for i in range(len(ranks[0]["gemm"]))
     ]
-    slowest = max(ranks, key=lambda r: r[_LARGE])
-    latency, bandwidth = _fit_allreduce(slowest[_SMALL], slowest[_LARGE], nproc)
+    slowest = max(ranks, key=lambda r: r[str(_LARGE)])
+    latency, bandwidth = _fit_allreduce(slowest[str(_SMALL)], slowest[str(_LARGE)], nproc)
     backend = "nccl" if on_gpu and torch.cuda.device_count() >= nproc else "gloo"
     gbps = bandwidth / 1e9
     share = "" if backend == "nccl" else f", {_threads_per_rank(nproc)} threads per rank"
