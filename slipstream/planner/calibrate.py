@@ -126,6 +126,7 @@ def _rank_worker(rank: int, nproc: int, port: int, queue: Any) -> None:
         # each rank for its own duration): 20 small ones, 3 large ones.
         result[str(nbytes)] = _timed_count(lambda t=t: comm.all_reduce(t), 20 if nbytes == _SMALL
                                       else 3, device)  # fmt: skip
+    comm.barrier()  # nobody tears gloo down while a peer is still in a collective
     comm.destroy_process_group()
     queue.put((rank, result))
 
