@@ -57,6 +57,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--write-config", type=Path, help="write the chosen layout as a JSON config")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine into the 'local' profile and exit")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=None,
+                   help="with --calibrate: ranks that will share this machine (default: the "
+                   "GPUs, or 2 on a CPU); each is measured while all of them run")  # fmt: skip
     p.set_defaults(handler=plan_command)
 
 
@@ -142,7 +145,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if args.calibrate:
             from slipstream.planner.calibrate import calibrate
 
-            profile = calibrate()
+            profile = calibrate(nproc=args.nproc)
             print(json.dumps(profile.to_dict(), indent=2) if args.json else
                   f"wrote the 'local' profile: {profile.peak_tflops:.3f} TFLOP/s GEMM, "
                   f"{profile.intra_node[0].bandwidth_gbps:.2f} GB/s all-reduce")  # fmt: skip

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from slipstream.config._base import StrictModel
+from slipstream.config.autotuning import AutotuningConfig
 from slipstream.config.monitor import (
     CometConfig,
     CSVMonitorConfig,
@@ -99,7 +100,6 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "torch_autocast": "torch_autocast is not implemented yet; use bf16 or fp16",
     "compile": "DeepCompile options are not implemented yet",
     "aio": "the aio block (NVMe I/O tuning) is not supported; offload_optimizer.nvme_path works without it",
-    "autotuning": "the autotuner is not implemented yet",
     "elasticity": "elastic training is not implemented yet",
     "compression_training": "compression training is not implemented yet",
     "data_efficiency": "data efficiency is not implemented yet",
@@ -191,6 +191,9 @@ class SlipstreamConfig(StrictModel):
     data_parallel_size: int | None = Field(None, ge=1)
     """Data-parallel size; None (or "auto") takes world / (sp x tp x pp). A number must equal
     it: the mesh is fully determined by the other sizes, this key only double-checks it."""
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """DeepSpeed's autotuner block, used by ``slipstream tune`` only (training ignores it, as
+    DeepSpeed does outside ``deepspeed --autotuning``)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism (AutoTP)."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)

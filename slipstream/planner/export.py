@@ -12,14 +12,15 @@ __all__ = ["layout_to_config"]
 def layout_to_config(layout: Layout, *, dtype: str = "bf16") -> dict[str, Any]:
     """The config keys of ``layout``: the batch triple, precision, ``zero_optimization``
     (with the ZeRO++ keys and offload when used), ``tensor_parallel``, ``pipeline`` and
-    ``activation_checkpointing``. Optimizer and scheduler are left to the user.
+    ``activation_checkpointing``. Optimizer and scheduler are left to the user. ``dtype``
+    "fp32" writes no precision block (fp32 training, e.g. on a CPU).
 
     Recompute "full" is the model's own switch (``GPTConfig.activation_checkpointing`` or a
     ``PipelineModule``'s ``activation_checkpoint_interval=1``); "selective" sets
     ``activation_checkpointing.selective``.
     """
-    if dtype not in ("bf16", "fp16"):
-        raise ValueError(f"dtype must be 'bf16' or 'fp16', got {dtype!r}")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32', got {dtype!r}")
     zero: dict[str, Any] = {"stage": layout.zero_stage, "overlap_comm": layout.overlap_comm}
     if layout.hpz_partition_size > 1:
         zero["zero_hpz_partition_size"] = layout.hpz_partition_size
@@ -35,10 +36,11 @@ def layout_to_config(layout: Layout, *, dtype: str = "bf16") -> dict[str, Any]:
         "train_batch_size": layout.batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
         "gradient_accumulation_steps": layout.micro_batches,
-        dtype: {"enabled": True},
         "zero_optimization": zero,
         "data_parallel_size": layout.dp,
     }
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
     if layout.tp > 1:
         config["tensor_parallel"] = {
             "autotp_size": layout.tp,

@@ -54,6 +54,10 @@ class Layout:
     grad_bytes: int = 4
     """Gradient accumulation bytes per element (fp32 like slipstream and Megatron's
     main_grad; 2 for a bf16/fp16 accumulation)."""
+    param_bytes: int = 2
+    """Bytes per element of the working weights and activations: 2 for bf16/fp16 mixed
+    precision (with fp32 master weights), 4 for fp32 training (the optimizer updates the
+    weights themselves: no master copy), as on a CPU."""
     overlap_comm: bool = True
     """Data-parallel reduction overlaps the backward pass (bucketed, as DDP/ZeRO do)."""
 
@@ -108,6 +112,11 @@ def check_layout(model: ModelSpec, layout: Layout) -> None:
         raise ValueError(
             f"Layout.global_batch = {layout.batch} is not a multiple of micro_batch * dp = "
             f"{layout.micro_batch * layout.dp}"
+        )
+    if layout.param_bytes not in (2, 4) or layout.grad_bytes not in (2, 4):
+        raise ValueError(
+            f"Layout.param_bytes = {layout.param_bytes} and grad_bytes = {layout.grad_bytes} "
+            "must be 2 (bf16/fp16) or 4 (fp32)"
         )
     if layout.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"Layout.zero_stage = {layout.zero_stage} must be 0-3")

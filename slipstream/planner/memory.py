@@ -29,7 +29,6 @@ from slipstream.planner.model import ModelSpec
 from slipstream.zero.estimate import estimate_memory
 
 __all__ = [
-    "ACTIVATION_BYTES",
     "MemoryBreakdown",
     "activation_bytes_per_layer",
     "in_flight_micro_batches",
@@ -37,9 +36,10 @@ __all__ = [
     "stage_params",
 ]
 
-ACTIVATION_BYTES = 2  # bf16/fp16 activations
 _REDUCE_BUCKET = 500_000_000  # ZeroConfig.reduce_bucket_size default (elements)
 _PREFETCH_BUCKET = 50_000_000  # ZeroConfig.stage3_prefetch_bucket_size default
+_PREFETCH_UNITS = 8  # ZeRO-3 looks this many units ahead (slipstream.zero.stage3)
+_STAGING = 3  # gradient staging buckets alive at once (slipstream.zero.reducer.MAX_IN_FLIGHT + 1)
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,7 @@ def _states(numel: int, layout: Layout) -> dict[str, int]:
             layout.hpz_partition_size,
             layout.offload_optimizer,
             layout.offload_param,
+            layout.param_bytes,
         )
     )
 
@@ -122,12 +123,14 @@ def _cached_states(
     hpz: int,
     offload_optimizer: str | None,
     offload_param: bool,
+    param_bytes: int,
 ) -> dict[str, int]:
     """A single meta-device parameter of ``numel`` elements stands for the stage's parameters:
     the estimator reads only shapes and dtypes, nothing is allocated. Cached because the
     search asks for the same few sizes thousands of times."""
     holder = nn.Module()
-    holder.weight = nn.Parameter(torch.empty(numel, dtype=torch.bfloat16, device="meta"))
+    dtype = torch.float32 if param_bytes == 4 else torch.bfloat16
+    holder.weight = nn.Parameter(torch.empty(numel, dtype=dtype, device="meta"))
     return estimate_memory(
         holder,
         world=dp,
@@ -143,22 +146,33 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, *, stored: bool
     """Activation bytes one layer keeps for backward, for one micro-batch (Korthikanti sec. 4).
 
     ``stored=False`` gives the full set a layer holds while it runs its backward (what a
-    recomputed layer rebuilds), whatever the recompute mode.
+    recomputed layer rebuilds), whatever the recompute mode. Activations are
+    ``layout.param_bytes`` wide (``a``: 2 in bf16/fp16, Korthikanti's case, 4 in fp32).
     """
     s, b, h, t = model.seq, layout.micro_batch, model.hidden, layout.tp
+    a = layout.param_bytes
     kv_dim = model.kv * model.head_dim
     drop = 1 if model.dropout else 0
     sp = t if layout.sequence_parallel else 1
     mode = layout.recompute if stored else "none"
     if mode == "full":
-        return ACTIVATION_BYTES * s * b * h / sp
-    # Outside the TP region (split by SP): 2 norm inputs, the QKV and MLP inputs, and the two
-    # residual dropout masks (1 byte per element): 8h + 2h, Korthikanti's "10".
-    replicated = (8 + 2 * drop) * h
-    # Inside it: Q, K, V, the output projection's input and the MLP's inner activations
-    # (GELU in + out = 2 x 2f; SwiGLU gate, silu(gate), up, product = 4 x 2f): 24h/t.
-    mlp_inner = (8 if model.gated_mlp else 4) * model.ffn
-    split = 2 * h + 4 * kv_dim + 2 * h + mlp_inner
+        return a * s * b * h / sp
+    llama = model.hf_llama_activations
+    # Outside the TP region (split by SP): each of the 2 norms keeps its input and its output
+    # (the QKV / MLP input), and the two residual dropout masks (1 byte per element): with
+    # a = 2, 8h + 2h, Korthikanti's "10". An fp32-computed RMSNorm (HF Llama) keeps its fp32
+    # input and the normalized value as well: 4 + a bytes instead of a.
+    norm_keeps = 4 + a if llama else a
+    replicated = 2 * (norm_keeps + a) * h + 2 * drop * h
+    # Inside it: Q, K, V and the output projection's input (Korthikanti's 24h/t with the
+    # MLP), and the MLP's inner activations (GELU in + out = 2f; SwiGLU gate, silu(gate), up,
+    # product = 4f). HF Llama / the reference GPT repeat K and V to every query head before
+    # SDPA (which keeps the repeated ones) and keep SDPA's output besides the contiguous copy
+    # the output projection reads.
+    kv_kept = h if llama else kv_dim
+    attention = h + 2 * kv_kept + h + (h if llama else 0)
+    mlp_inner = (4 if model.gated_mlp else 2) * model.ffn
+    split = a * (attention + mlp_inner)
     per_token = replicated / sp + split / t
     tokens = s * b
     if model.flash_attention:
@@ -166,8 +180,8 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, *, stored: bool
     elif mode == "selective":
         scores = 0.0
     else:
-        # softmax output (2 bytes), dropout mask (1) and output (2): 5 a s^2 b / t.
-        scores = (2 + 3 * drop) * (model.heads / t) * s * s * b
+        # softmax output (a bytes), dropout mask (1) and output (a): 5 a s^2 b / t in bf16.
+        scores = (a + (1 + a) * drop) * (model.heads / t) * s * s * b
     return tokens * per_token + scores
 
 
@@ -190,6 +204,7 @@ def in_flight_micro_batches(layout: Layout) -> float:
 def _activations(model: ModelSpec, layout: Layout, stage: str) -> int:
     """Stored activations of ``stage`` plus the working set of the layer in backward."""
     s, b, h, t = model.seq, layout.micro_batch, model.hidden, layout.tp
+    a = layout.param_bytes
     sp = t if layout.sequence_parallel else 1
     layers = model.layers // layout.pp
     per_layer = activation_bytes_per_layer(model, layout)
@@ -199,25 +214,38 @@ def _activations(model: ModelSpec, layout: Layout, stage: str) -> int:
         # The layer being recomputed holds everything for its own backward.
         total += activation_bytes_per_layer(model, layout, stored=False) - per_layer
     if stage in ("last", "only"):
-        # Final norm input, output-layer input, fp32 logits for the cross entropy.
-        total += 2 * ACTIVATION_BYTES * s * b * h / sp + 4 * s * b * model.vocab / t
+        # Final norm input and output (the output layer's input), fp32 logits for the
+        # cross entropy.
+        norm_keeps = 4 + a if model.hf_llama_activations else a
+        total += (norm_keeps + a) * s * b * h / sp + 4 * s * b * model.vocab / t
     if stage in ("first", "only") and model.dropout:
         total += s * b * h / sp * in_flight  # embedding dropout mask
     return int(total)
 
 
 def _comm_buffers(model: ModelSpec, layout: Layout, numel: int) -> int:
-    """Transient buffers: the gradient reduction bucket (ZeRO 0-2), the gathered weights of
-    the layer in use plus the prefetch bucket (ZeRO-3), the pipeline's send/recv buffers."""
+    """Transient buffers, as slipstream's ZeRO allocates them.
+
+    Stages 0/1 reduce the gradient accumulation buffer in place (nothing extra); stage 2
+    writes each bucket's gradients into a staging buffer that is reduce-scattered into the
+    shard (up to ``_STAGING`` buckets in flight); stage 3 holds the gathered weights of the
+    layer in use and of the layers it prefetches (up to the prefetch bucket, at most
+    ``_PREFETCH_UNITS`` of them) and stages each layer's gradients the same way; a pipeline
+    keeps send/recv buffers.
+    """
     s, b, h = model.seq, layout.micro_batch, model.hidden
+    a = layout.param_bytes
     total = 0
-    if layout.dp > 1 and layout.zero_stage < 3:
-        total += min(_REDUCE_BUCKET, numel) * layout.grad_bytes
+    if layout.dp > 1 and layout.zero_stage == 2:
+        total += min(_STAGING * _REDUCE_BUCKET, numel) * layout.grad_bytes
     if layout.zero_stage == 3:
         layer = model.params_per_layer() // layout.tp
-        total += (layer + min(_PREFETCH_BUCKET, numel)) * ACTIVATION_BYTES
+        prefetch = min(_PREFETCH_BUCKET, _PREFETCH_UNITS * layer, numel)
+        total += (layer + prefetch) * a
+        if layout.dp > 1:
+            total += min(_STAGING * layer, numel) * layout.grad_bytes
     if layout.pp > 1:
-        total += 4 * ACTIVATION_BYTES * s * b * h * layout.virtual_stages
+        total += 4 * a * s * b * h * layout.virtual_stages
     return total
 
 

@@ -61,6 +61,12 @@ class ModelSpec:
     """Attention never materializes the ``a x s x s`` scores (FlashAttention / SDPA): no
     ``5 a s / h`` activation term and no softmax memory traffic. False for the Megatron
     papers of 2021-2022, True for slipstream's reference GPT (``F.scaled_dot_product_attention``)."""
+    hf_llama_activations: bool = False
+    """Activations are kept as Hugging Face's Llama and slipstream's reference GPT keep them
+    in eager PyTorch: RMSNorm computed in fp32 keeps its fp32 input and the normalized value
+    besides its output, K and V are repeated to every query head before SDPA (which keeps
+    the repeated ones), and SDPA's output is kept besides the contiguous copy the output
+    projection reads. False: Megatron's fused kernels (Korthikanti et al. 2022's count)."""
     name: str = field(default="", compare=False)
     """Label used in reports."""
 
@@ -195,6 +201,7 @@ def from_gpt_config(config: Any, *, seq: int | None = None) -> ModelSpec:
         tie_embeddings=config.tie_embeddings,
         dropout=config.dropout > 0,
         flash_attention=True,
+        hf_llama_activations=True,
         name="slipstream-gpt",
     )
 
@@ -235,5 +242,6 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, seq: int | None = None) -
         tie_embeddings=bool(get("tie_word_embeddings", not llama_like)),
         dropout=bool(get("attention_dropout") or get("attn_pdrop")),
         flash_attention=True,
+        hf_llama_activations=llama_like,
         name=str(get("model_type") or "hf"),
     )

@@ -109,6 +109,7 @@ _PASSTHROUGH = {
     "offload_optimizer",
     "offload_param",
     "grad_bytes",
+    "param_bytes",
     "overlap_comm",
 }
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 from slipstream.planner.hardware import Hardware
 from slipstream.planner.layout import Layout
-from slipstream.planner.memory import ACTIVATION_BYTES, activation_bytes_per_layer, stage_params
+from slipstream.planner.memory import activation_bytes_per_layer, stage_params
 from slipstream.planner.model import ModelSpec
 from slipstream.planner.network import CommGroup, collective_time
 
@@ -128,7 +128,7 @@ def _stage_tp_comm(model: ModelSpec, hw: Hardware, layout: Layout) -> float:
     """Tensor-parallel collective seconds of one micro-batch on one stage."""
     if layout.tp == 1:
         return 0.0
-    nbytes = ACTIVATION_BYTES * model.seq * layout.micro_batch * model.hidden
+    nbytes = layout.param_bytes * model.seq * layout.micro_batch * model.hidden
     group = _tp_group(layout)
     if layout.sequence_parallel:
         pair = collective_time(hw, "all_gather", nbytes, group) + collective_time(
@@ -147,7 +147,7 @@ def _stage_pp_comm(model: ModelSpec, hw: Hardware, layout: Layout) -> float:
     """Pipeline send/receive seconds of one micro-batch on one stage (forward + backward)."""
     if layout.pp == 1:
         return 0.0
-    nbytes = ACTIVATION_BYTES * model.seq * layout.micro_batch * model.hidden / layout.tp
+    nbytes = layout.param_bytes * model.seq * layout.micro_batch * model.hidden / layout.tp
     group = CommGroup(2, layout.tp * layout.dp)
     return 2 * layout.virtual_stages * collective_time(hw, "p2p", nbytes, group)
 
@@ -161,7 +161,7 @@ def _dp_comm(model: ModelSpec, hw: Hardware, layout: Layout) -> tuple[float, flo
     numel = stage_params(model, layout, "last")
     group = CommGroup(layout.dp, layout.tp)
     grad = numel * layout.grad_bytes
-    weights = numel * ACTIVATION_BYTES
+    weights = numel * layout.param_bytes
     if layout.zero_stage == 0:
         return collective_time(hw, "all_reduce", grad, group), 0.0, 0.0
     if layout.zero_stage in (1, 2):
@@ -170,7 +170,7 @@ def _dp_comm(model: ModelSpec, hw: Hardware, layout: Layout) -> tuple[float, flo
     forward = weights / 2 if layout.quantized_weights else weights
     g = layout.hpz_partition_size
     backward_group = CommGroup(g, layout.tp) if g > 1 else group
-    grads = numel * (ACTIVATION_BYTES / 4 if layout.quantized_gradients else layout.grad_bytes)
+    grads = numel * (layout.param_bytes / 4 if layout.quantized_gradients else layout.grad_bytes)
     # Issued layer by layer: each layer's collective pays the latency chain again.
     layers = model.layers // layout.pp
     per_mb = layers * (
@@ -187,7 +187,7 @@ def _optimizer_time(model: ModelSpec, hw: Hardware, layout: Layout) -> float:
     numel = stage_params(model, layout, "last")
     owned = numel if layout.zero_stage == 0 else numel / layout.dp
     if layout.offload_optimizer:
-        return owned * (layout.grad_bytes + ACTIVATION_BYTES) / (hw.host_bandwidth_gbps * 1e9)
+        return owned * (layout.grad_bytes + layout.param_bytes) / (hw.host_bandwidth_gbps * 1e9)
     bandwidth = hw.memory_bandwidth_gbps * 1e9 * hw.memory_efficiency
     return owned * ADAM_BYTES_PER_PARAM / bandwidth
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from slipstream.planner import Layout, model_preset, predict_memory
 from slipstream.planner.memory import (
@@ -90,3 +91,64 @@ def test_first_stage_holds_p_micro_batches() -> None:
     )
     assert mem.stage == "first"
     assert mem.activations == int(stored + working + S * H * 4)  # + embedding dropout mask
+
+
+def _saved_bytes_of_one_block(config: object, batch: int, dtype: torch.dtype) -> int:
+    """Bytes of the distinct storages autograd saves in one reference-GPT block's forward
+    (parameters and the RoPE tables excluded: they are not activations)."""
+    from slipstream.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config).to(dtype)
+    block = model.layers[0]
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in owned:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(batch, config.max_seq_len, config.hidden_size, dtype=dtype,  # type: ignore[attr-defined]
+                    requires_grad=True)  # fmt: skip
+    cos, sin = model.rope_cos.to(dtype), model.rope_sin.to(dtype)
+    owned |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, cos, sin).sum().backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(("dtype", "param_bytes"), [(torch.float32, 4), (torch.bfloat16, 2)])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_reference_gpt_block_saves_what_the_planner_counts(
+    dtype: torch.dtype, param_bytes: int, kv_heads: int
+) -> None:
+    """The HF-Llama accounting (fp32 RMSNorm internals, repeated K/V, SDPA output and its
+    copy) against the tensors autograd really saves (specs/parallelism.md sec. 4.5.3)."""
+    from slipstream.models.gpt import GPTConfig
+    from slipstream.planner import from_gpt_config
+
+    config = GPTConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=kv_heads,
+                       max_seq_len=32, vocab_size=64)  # fmt: skip
+    measured = _saved_bytes_of_one_block(config, batch=2, dtype=dtype)
+    layout = Layout(micro_batch=2, param_bytes=param_bytes)
+    predicted = activation_bytes_per_layer(from_gpt_config(config), layout)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_fp32_states_have_no_master_copy() -> None:
+    """fp32 training: 4 (weights) + 4 (gradients) + 8 (Adam moments) bytes per parameter."""
+    model = model_preset("megatron-22b", layers=2, hidden=256, heads=4, seq=128)
+    numel = stage_params(model, Layout(), "only")
+    mem = predict_memory(model, Layout(param_bytes=4))
+    assert (mem.params, mem.grads, mem.optimizer) == (4 * numel, 4 * numel, 8 * numel)
+
+
+@pytest.mark.parametrize(("stage", "buffer_params"), [(0, 0), (1, 0), (2, 1)])
+def test_reduction_buffers_follow_slipstreams_reducer(stage: int, buffer_params: int) -> None:
+    """Stages 0/1 all-reduce the accumulation buffer in place; stage 2 stages a bucket."""
+    model = model_preset("megatron-22b", layers=2, hidden=256, heads=4, seq=128)
+    numel = stage_params(model, Layout(), "only")
+    mem = predict_memory(model, Layout(dp=4, zero_stage=stage))
+    assert mem.comm_buffers == buffer_params * numel * 4
