@@ -171,10 +171,50 @@ def test_torch_distributed_only_in_the_comm_layer() -> None:
     )
 
 
+# Modules outside slipstream/accelerator that may name torch.cuda, and why. Everything else asks
+# get_accelerator(), so another accelerator needs one change (a new accelerator class).
+TORCH_CUDA_ALLOWED = {
+    # The CUDA kernels of INT8 matmul and their capability checks.
+    "quant/_gemm.py",
+    # Data-sheet peak FLOP/s are looked up by the GPU's product name.
+    "profiling/flops.py",
+    # The planner's calibration measures the GPU it runs on.
+    "planner/calibrate.py",
+    # The CLI reports the CUDA build and counts GPUs for the launcher.
+    "cli/report.py",
+    "cli/launcher.py",
+    "cli/_demo_worker.py",
+}
+
+
+def _uses_torch_cuda(tree: ast.AST) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "cuda"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "torch"
+    ]
+
+
+def test_torch_cuda_only_in_the_accelerator() -> None:
+    wrong = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("accelerator/") or rel in TORCH_CUDA_ALLOWED:
+            continue
+        wrong += [f"slipstream/{rel}:{n}" for n in _uses_torch_cuda(ast.parse(path.read_text()))]
+    assert not wrong, "torch.cuda outside slipstream/accelerator (use get_accelerator()):\n" + (
+        "\n".join(wrong)
+    )
+
+
 def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
     """The rules can fail: an upward import and torch.distributed are both detected."""
     tree = ast.parse("import torch\nx = torch.distributed.get_rank()\n")
     assert _touches_torch_distributed(tree) == [2]
+    assert _uses_torch_cuda(ast.parse("import torch\ntorch.cuda.synchronize()\n")) == [2]
     assert FLOOR_OF["runtime"] > FLOOR_OF["zero"] > FLOOR_OF["distributed"]
     zero_shard = PACKAGE / "zero" / "shard.py"
     assert any(_unit(m) == "distributed" for _, m in _imports(zero_shard))

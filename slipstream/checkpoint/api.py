@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from slipstream._logging import log_rank0
+from slipstream.accelerator import get_accelerator
 from slipstream.checkpoint import _faults, commit
 from slipstream.checkpoint._agreement import on_every_rank, on_rank0, raise_if_failed
 from slipstream.checkpoint.commit import LATEST, SaveLock
@@ -98,8 +99,9 @@ def _rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": (kind, np.asarray(keys).tolist(), pos, has_gauss, gauss),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        state[acc.device_name()] = acc.get_rng_state()  # "cuda" on NVIDIA GPUs
     return state
 
 
@@ -108,8 +110,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" and acc.device_name() in state:
+        acc.set_rng_state(state[acc.device_name()])
 
 
 def _jsonable(value: Any) -> Any:

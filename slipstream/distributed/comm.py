@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream._logging import logger
+from slipstream.accelerator import get_accelerator
 from slipstream.distributed._arrivals import arrivals
 from slipstream.distributed.counters import (
     comm_counters,
@@ -132,9 +133,10 @@ def init_distributed(
             init_method = f"tcp://{addr}:{port}"
         rank, world_size = 0, 1
         os.environ.setdefault("LOCAL_RANK", "0")
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(get_local_rank())
+    acc = get_accelerator()
+    backend = dist_backend or acc.communication_backend_name()
+    if acc.device_name() != "cpu" and backend != "gloo":
+        acc.set_device(get_local_rank())
     timeout = timeout or comm_timeout()
     note_timeout_in_use(timeout)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from slipstream.accelerator import get_accelerator
 from slipstream.distributed import comm
 
 __all__ = ["MESH_AXES", "DeviceMesh", "ParallelDims", "build_mesh", "dp_group", "dp_sp_group"]
@@ -59,7 +59,7 @@ class ParallelDims:
 def build_mesh(dims: ParallelDims, device_type: str | None = None) -> DeviceMesh:
     """Build the DeviceMesh over all axes (size-1 axes included) and label its groups."""
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = get_accelerator().device_name()
     sizes = dims.sizes()
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     for axis in MESH_AXES:

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
+from slipstream.accelerator import get_accelerator
+
 __all__ = [
     "MODEL_PARALLEL_RNG",
     "RNGStatesTracker",
@@ -39,19 +41,13 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718  # keeps the per-rank streams away from the default seed
 
 
-def _device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _get_state() -> torch.Tensor:
-    return torch.cuda.get_rng_state() if _device_type() == "cuda" else torch.get_rng_state()
+    """The generator state of the training device (the CPU generator on a CPU)."""
+    return get_accelerator().get_rng_state()
 
 
 def _set_state(state: torch.Tensor) -> None:
-    if _device_type() == "cuda":
-        torch.cuda.set_rng_state(state)
-    else:
-        torch.set_rng_state(state)
+    get_accelerator().set_rng_state(state)
 
 
 class RNGStatesTracker:
@@ -81,7 +77,7 @@ class RNGStatesTracker:
                 f"seed {seed} already seeds another RNG stream: give {name!r} its own seed"
             )
         saved = _get_state()
-        torch.manual_seed(seed) if _device_type() == "cpu" else torch.cuda.manual_seed(seed)
+        get_accelerator().manual_seed(seed)
         self._states[name] = _get_state()
         _set_state(saved)
         self._seeds.add(seed)

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import (
     checkpoint as torch_checkpoint,
 )
 
+from slipstream.accelerator import get_accelerator
 from slipstream.config._errors import ConfigError
 from slipstream.config.loader import load_config
 from slipstream.config.parallel import ActivationCheckpointingConfig
@@ -358,8 +359,15 @@ class _Options:
 
 
 def _sync(enabled: bool) -> None:
-    if enabled and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    acc = get_accelerator()
+    if enabled and not acc.is_synchronized_device():
+        acc.synchronize()
+
+
+def _device_rng() -> torch.Tensor | None:
+    """The accelerator's generator state (None on a CPU: the CPU state is saved anyway)."""
+    acc = get_accelerator()
+    return acc.get_rng_state() if acc.device_name() != "cpu" else None
 
 
 def _stash(t: torch.Tensor, opts: _Options) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -404,7 +412,7 @@ class _CheckpointFunction(torch.autograd.Function):
         start = time.perf_counter()
         ctx.function, ctx.opts = function, opts
         ctx.cpu_state = torch.get_rng_state()
-        ctx.cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        ctx.device_state = _device_rng()
         ctx.tracker = _tracker_states(opts.tracker)
         with torch.no_grad():
             outputs = function(*args)
@@ -435,17 +443,17 @@ class _CheckpointFunction(torch.autograd.Function):
         ):
             inputs[i] = _unstash(kept, shape, device, opts).requires_grad_(req)
         cpu_now = torch.get_rng_state()
-        cuda_now = torch.cuda.get_rng_state() if ctx.cuda_state is not None else None
+        device_now = _device_rng() if ctx.device_state is not None else None
         torch.set_rng_state(ctx.cpu_state)
-        if ctx.cuda_state is not None:
-            torch.cuda.set_rng_state(ctx.cuda_state)
+        if ctx.device_state is not None:
+            get_accelerator().set_rng_state(ctx.device_state)
         try:
             with torch.enable_grad(), _restored_tracker(opts.tracker, ctx.tracker):
                 outputs = ctx.function(*inputs)
         finally:
             torch.set_rng_state(cpu_now)
-            if cuda_now is not None:
-                torch.cuda.set_rng_state(cuda_now)
+            if device_now is not None:
+                get_accelerator().set_rng_state(device_now)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         pairs = [
             (o, g)

@@ -38,6 +38,8 @@ from torch.utils.flop_counter import (
 )
 from torch.utils.module_tracker import ModuleTracker
 
+from slipstream.accelerator import get_accelerator
+
 __all__ = [
     "FlopsProfiler",
     "ModuleProfile",
@@ -357,9 +359,8 @@ def _params(module: nn.Module) -> int:
 
 
 def _synchronizer(model: nn.Module) -> Callable[[], None]:
-    devices = {p.device.type for p in model.parameters()}
-    if "cuda" in devices:
-        return torch.cuda.synchronize
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return get_accelerator().synchronize
     return lambda: None
 
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from slipstream._logging import global_rank, logger
+from slipstream.accelerator import get_accelerator
 from slipstream.config.monitor import (
     CometConfig,
     CSVMonitorConfig,
@@ -194,7 +195,7 @@ class CometMonitor:
 class _Pending:
     """Events on their way to the writer thread; device values are in flight to the host."""
 
-    def __init__(self, events: list[Event], copied: list[torch.cuda.Event]) -> None:
+    def __init__(self, events: list[Event], copied: list[Any]) -> None:
         self.events = events
         self.copied = copied
 
@@ -235,16 +236,17 @@ def _check_event(event: Any, index: int) -> Event:
 def _to_host(events: list[Event]) -> _Pending:
     """Snapshot tensor values: a host copy now, or a device-to-host copy that is only
     queued on the tensor's stream (an event marks its completion for the writer thread)."""
-    copied: list[torch.cuda.Event] = []
+    copied: list[Any] = []  # accelerator events
     out: list[Event] = []
     for name, value, step in events:
         if isinstance(value, torch.Tensor):
             value = value.detach().reshape(())
-            if value.is_cuda:
+            if value.device.type != "cpu":
+                acc = get_accelerator()
                 device = value.device
                 value = value.to("cpu", non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(device))
+                done = acc.Event()
+                done.record(acc.current_stream(device.index))
                 copied.append(done)
             else:
                 value = value.clone()  # a later in-place update must not change the event

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from slipstream._logging import log_rank0, logger
+from slipstream.accelerator import get_accelerator
 from slipstream.checkpoint.api import PendingSave, finish_save, load_checkpoint, save_checkpoint
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
@@ -86,8 +87,8 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         comm.comm_counters.verbose = config.comms_logger.verbose
         if not config.comms_logger.prof_all:
             comm.comm_counters.prof_ops = set(config.comms_logger.prof_ops)
-        if config.comms_logger.enabled and device.type == "cuda":
-            set_device_sync(torch.cuda.synchronize)  # per-collective times, as DeepSpeed's
+        if config.comms_logger.enabled and device.type != "cpu":
+            set_device_sync(get_accelerator().synchronize)  # per-collective times, as DeepSpeed's
         self._started: float | None = None  # the first forward: the comm summary's time base
         self.memory: MemoryBreakdown | None = (
             MemoryBreakdown(device) if config.memory_breakdown else None

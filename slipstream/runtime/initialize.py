@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from slipstream._logging import log_rank0
+from slipstream.accelerator import get_accelerator
 from slipstream.config import AutoContext, ConfigError, SlipstreamConfig
 from slipstream.config.loader import read_config, resolve_batch
 from slipstream.data.loader import build_dataloader
@@ -317,9 +318,7 @@ def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(get_accelerator().current_device_name())
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slipstream.accelerator import get_accelerator
 from slipstream.zero import ZeroOptimizer
 
 __all__ = ["MemoryBreakdown", "host_rss_bytes"]
@@ -63,9 +64,10 @@ class MemoryBreakdown:
     def record(self, phase: str) -> None:
         """Called by the engine when ``phase`` (forward/backward/step) ends."""
         point = _Point(rss=host_rss_bytes())
-        if self.device.type == "cuda":
-            point.allocated = torch.cuda.memory_allocated(self.device)
-            point.peak = torch.cuda.max_memory_allocated(self.device)
+        if self.device.type != "cpu":
+            acc = get_accelerator()
+            point.allocated = acc.memory_allocated(self.device.index)
+            point.peak = acc.max_memory_allocated(self.device.index)
         self.points[phase] = point
         self.peak_rss = max(self.peak_rss, point.rss)
 
@@ -74,7 +76,7 @@ class MemoryBreakdown:
         the peaks."""
         parts = []
         for phase, p in self.points.items():
-            if self.device.type == "cuda":
+            if self.device.type != "cpu":
                 parts.append(
                     f"{phase}: alloc {p.allocated / _MB:.1f} MB peak {p.peak / _MB:.1f} MB "
                     f"rss {p.rss / _MB:.1f} MB"
@@ -91,7 +93,7 @@ class MemoryBreakdown:
             if self.estimator is not None and states is not None:
                 estimate = self.estimator(states)
                 text += f" (ZeRO estimator: {estimate['total'] / _MB:.2f} MB)"
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.device.type != "cpu":
+            get_accelerator().reset_max_memory_allocated(self.device.index)
         self.peak_rss = 0
         return text

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from slipstream.accelerator import get_accelerator
 from slipstream.config import ConfigError
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.data.loader import RepeatingLoader
@@ -402,14 +403,14 @@ class _Clock:
     events on a GPU (whose kernels run asynchronously to the host)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.on_device = device.type != "cpu"
         self.spans: list[tuple[Any, Any]] = []
         self.start = self._mark()
 
     def _mark(self) -> Any:
-        if not self.cuda:
+        if not self.on_device:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = get_accelerator().Event(enable_timing=True)
         event.record()
         return event
 
@@ -421,7 +422,7 @@ class _Clock:
 
     def busy_fraction(self) -> float:
         end = self._mark()
-        if self.cuda:
+        if self.on_device:
             end.synchronize()
             total = self.start.elapsed_time(end)
             busy = sum(a.elapsed_time(b) for a, b in self.spans)

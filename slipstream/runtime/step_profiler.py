@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from slipstream.accelerator import get_accelerator
 from slipstream.config.monitor import FlopsProfilerConfig
 from slipstream.distributed import comm
 from slipstream.profiling.flops import FlopsProfiler, device_peak_flops, training_flops
@@ -111,5 +112,5 @@ class StepProfiler:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu":
+        get_accelerator().synchronize(device.index)

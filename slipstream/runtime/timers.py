@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import torch
 
+from slipstream.accelerator import get_accelerator
+
 __all__ = ["StepTimers"]
 
 
@@ -21,8 +23,8 @@ class StepTimers:
         self.totals: dict[str, float] = defaultdict(float)
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type != "cpu":
+            get_accelerator().synchronize(self.device.index)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -49,6 +49,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from slipstream.accelerator import get_accelerator
 from slipstream.distributed import comm
 from slipstream.zero.init_shards import InitShards, init_owner
 from slipstream.zero.param import full_shape, unmark_
@@ -218,19 +219,22 @@ def set_data_(param: nn.Parameter, data: torch.Tensor) -> None:
 
 def _capture_rng() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        state[acc.device_name()] = acc.get_rng_state()
     return state
 
 
 @contextmanager
 def _replayed_rng(state: dict[str, Any] | None) -> Iterator[None]:
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    acc = get_accelerator()
+    on_device = acc.device_name() != "cpu"
+    devices = [acc.current_device()] if on_device else []
+    with torch.random.fork_rng(devices=devices, device_type=acc.device_name()):
         if state is not None:
             torch.set_rng_state(state["cpu"])
-            if "cuda" in state and devices:
-                torch.cuda.set_rng_state(state["cuda"])
+            if on_device and acc.device_name() in state:
+                acc.set_rng_state(state[acc.device_name()])
         yield
 
 
@@ -346,9 +350,7 @@ def _materialize(
 
 def _device() -> torch.device:
     """Where ``zero.Init`` creates shards: the engine's device (``initialize`` agrees)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(get_accelerator().current_device_name())
 
 
 def _roots(modules: list[nn.Module]) -> list[nn.Module]:

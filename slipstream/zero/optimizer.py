@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slipstream.accelerator import get_accelerator
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
 from slipstream.optim.kinds import optimizer_kind
@@ -256,8 +257,8 @@ class ZeroOptimizer:
         region = self.store.owned(bucket.index)
         if self.offload_device is not None:  # CPU offload: always a host copy
             master = region.detach().to(device=self.offload_device, dtype=dtype, copy=True)
-            if self.pin_memory and torch.cuda.is_available():
-                master = master.pin_memory()
+            if self.pin_memory:
+                master = get_accelerator().pin_memory(master)  # a no-op without an accelerator
             return master
         if region.dtype == dtype:
             return region  # the master is the parameter storage itself

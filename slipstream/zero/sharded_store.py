@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from slipstream.accelerator import get_accelerator
 from slipstream.distributed import comm
 from slipstream.distributed.quantize import fit_block, quantize_blocks
 from slipstream.zero.flat import Bucket, Waitable
@@ -107,8 +108,8 @@ class ShardedStore:
         if device is None:
             return shard
         moved = shard.to(device)
-        if self.options.pin_memory and torch.cuda.is_available():
-            moved = moved.pin_memory()
+        if self.options.pin_memory:
+            moved = get_accelerator().pin_memory(moved)  # a no-op on a CPU-only machine
         return moved
 
     def activate(self, model: nn.Module) -> None:
