@@ -214,12 +214,21 @@ def _prepare_slipstream(cfg: BenchConfig) -> None:
     importlib.import_module("slipstream")
 
 
-def _build_slipstream(model: nn.Module, cfg: BenchConfig, *, stage: int) -> Trainer:
+def _build_slipstream(
+    model: nn.Module, cfg: BenchConfig, *, stage: int, monitors: bool = False
+) -> Trainer:
+    """``monitors``: TensorBoard and CSV monitors on (into a temporary directory), to measure
+    what writing the per-step events costs."""
+    import tempfile
+
     import slipstream
 
-    engine, optimizer, _, _ = slipstream.initialize(
-        model=model, config=_engine_config(cfg, stage, {})
-    )
+    config = _engine_config(cfg, stage, {})
+    if monitors:
+        out = tempfile.mkdtemp(prefix="slipstream-bench-monitors-")
+        config["tensorboard"] = {"enabled": True, "output_path": out, "job_name": "tb"}
+        config["csv_monitor"] = {"enabled": True, "output_path": out, "job_name": "csv"}
+    engine, optimizer, _, _ = slipstream.initialize(model=model, config=config)
     return _EngineTrainer(engine, optimizer)
 
 
@@ -242,6 +251,11 @@ PEERS: dict[str, Peer] = {
         )
         for stage in (0, 1, 2, 3)
     },
+    "slipstream-z2-monitors": Peer(
+        partial(_build_slipstream, stage=2, monitors=True),
+        _prepare_slipstream,
+        _slipstream_unavailable,
+    ),
 }
 """Every framework the benchmark knows, by its ``--frameworks`` name."""
 
@@ -249,4 +263,8 @@ PEERS: dict[str, Peer] = {
 def reference_for(name: str) -> str | None:
     """The DeepSpeed row a slipstream row is compared with (``slipstream-z1`` -> ``deepspeed-z1``)."""
     prefix = "slipstream-"
-    return "deepspeed-" + name[len(prefix) :] if name.startswith(prefix) else None
+    if not name.startswith(prefix):
+        return None
+    if name.endswith("-monitors"):  # compared with slipstream without monitors
+        return name[: -len("-monitors")]
+    return "deepspeed-" + name[len(prefix) :]

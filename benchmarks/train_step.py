@@ -179,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(results))
     print(
         "peak MB: per-rank peak memory over the timed steps above the pre-model baseline; "
-        "t/ddp, t/ds, mem/ds: ratios to ddp and to the deepspeed row of the same ZeRO stage"
+        "t/ddp, t/ds, mem/ds: ratios to ddp and to the deepspeed row of the same ZeRO stage "
+        "(slipstream-z2-monitors: to slipstream-z2, i.e. the cost of TensorBoard + CSV monitors)"
     )
     if args.json:
         payload = {
