@@ -28,7 +28,8 @@ from slipstream.checkpoint.format import (
 )
 from slipstream.distributed.placement import is_duplicate, tp_shard
 from slipstream.zero.gathered import GatheredParameters
-from slipstream.zero.optimizer import BucketShard, ZeroOptimizer
+from slipstream.zero.holdings import BucketShard
+from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param import full_shape
 
 __all__ = ["Collected", "collect_state", "restore_state"]

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import torch
 
 from slipstream.distributed import comm
-from slipstream.zero.optimizer import BucketShard, ZeroOptimizer, owner_of
+from slipstream.zero.holdings import BucketShard
+from slipstream.zero.optimizer import ZeroOptimizer, owner_of
 
 __all__ = [
     "safe_get_full_fp32_param",

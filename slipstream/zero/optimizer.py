@@ -9,12 +9,8 @@ model at stages 1-3 (ZeRO-1, Rajbhandari et al. 2020, section 5.1). Where the pa
 
 The engines and the checkpoint code use this class only through its public methods
 (``set_gradient_sync``, ``finish_backward``, ``step``, ``trains``, ``add_reduced_grad``,
-``bucket_shard(s)``, ``owned_range``, ``owned_grad``, ``reload_params``, ``release_gathered``), never its store,
-reducer or views.
-
-The optimizer sees each master as views of at most ``min(sub_group_size, OPTIMIZER_CHUNK)``
-elements (DeepSpeed's ``sub_group_size``): per-tensor temporaries of the optimizer math stay
-small, which on CPU avoids a fresh mmap (and its page faults) for every temporary.
+``bucket_shard(s)`` with the records of :mod:`.holdings`, ``owned_range``, ``owned_grad``,
+``reload_params``, ``release_gathered``, ``memory_bytes``), never its store, reducer or views.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +31,7 @@ from slipstream.distributed import comm
 from slipstream.optim.kinds import optimizer_kind
 from slipstream.zero.flat import Bucket, FlatSlice, ParamStore
 from slipstream.zero.grad_norm import GradNorm
+from slipstream.zero.holdings import BucketShard, StatePiece
 from slipstream.zero.policies import OPTIMIZER_CHUNK, StepPolicy
 from slipstream.zero.reducer import GradientReducer
 from slipstream.zero.swap import StateSwap
@@ -62,50 +58,6 @@ def owner_of(param: torch.Tensor) -> tuple[ZeroOptimizer, int, int] | None:
         return None
     opt = entry[0]()
     return None if opt is None else (opt, entry[1], entry[2])
-
-
-@dataclass(frozen=True)
-class StatePiece:
-    """A tensor the inner optimizer updates: a slice of this rank's master weights that lies
-    inside one parameter.
-
-    Attributes:
-        view: the inner optimizer's parameter (its states are ``optimizer.state[view]``).
-        index: the parameter's index in its bucket.
-        extent: where ``view`` lies in the bucket (``extent.param``: in the parameter).
-    """
-
-    view: torch.Tensor
-    index: int
-    extent: FlatSlice
-
-
-@dataclass(frozen=True)
-class BucketShard:
-    """One bucket as this rank holds it: what a checkpoint writes and loads.
-
-    Attributes:
-        bucket: the layout (parameter names, shapes, offsets).
-        held: the ``[start, stop)`` bucket elements of ``params``.
-        params: the parameter values this rank stores between steps: the whole bucket at
-            stages 0-2, this rank's shard at stage 3.
-        owned: the ``[start, stop)`` bucket elements this rank updates (inside ``held``).
-        master: the master weights of ``owned``.
-        separate_master: ``master`` is a copy (another dtype, or offloaded), not the
-            parameter storage itself.
-        pieces: the tensors the inner optimizer updates, in order.
-        transient: the master and states are freed when the block ends (NVMe offload swaps
-            them out): copy what must outlive it.
-    """
-
-    bucket: Bucket
-    held: tuple[int, int]
-    params: torch.Tensor
-    owned: tuple[int, int]
-    master: torch.Tensor
-    separate_master: bool
-    pieces: list[StatePiece]
-    transient: bool
 
 
 class ZeroOptimizer:
