@@ -19,24 +19,30 @@ Two workloads, greedy decoding, ``--new-tokens`` per row:
 Every variant of one (workload, batch, dtype) cell is timed round-robin (run 1 of each, then
 run 2, ...) and reported as the median tokens/s (tokens actually generated, padding after EOS
 not counted), so load from other processes hits all variants alike: compare the ratios, which
-come from one run. Each slipstream output is checked token for token against HF's before it
-is timed (greedy: they must agree).
+come from one run. ``--clock cpu --threads 1`` times process CPU time, which other jobs on a
+shared machine disturb far less than wall time. Before timing, each slipstream output is
+compared with HF's: in fp32 they must agree token for token; in bf16 the table shows the
+fraction that agrees (slipstream's bf16 GEMMs sum in another order, see
+``slipstream.inference.kernels``, and greedy decoding amplifies one flipped near-tie).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.config import ConfigError
-from slipstream.inference import generate
+from slipstream.inference import init_inference
 from slipstream.inference.pretrained import default_cache_dir, load_causal_lm
 
 QUESTIONS = [
@@ -110,6 +116,8 @@ def generated_tokens(out: torch.Tensor, prompt_len: int, eos: int | None) -> int
 
 def variants(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, fixed: bool,
              chosen: list[str]) -> dict[str, Callable[[], torch.Tensor]]:  # fmt: skip
+    """HF generate on ``model`` and one slipstream engine per ``cache/finished`` pair (each
+    prepared by init_inference from its own copy of ``model``, in ``model``'s dtype)."""
     eos = None if fixed else model.generation_config.eos_token_id
 
     def hf() -> torch.Tensor:
@@ -123,40 +131,49 @@ def variants(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, fixed: b
         finally:
             model.generation_config.eos_token_id = saved
 
-    def ours(cache: str, finished: str) -> Callable[[], torch.Tensor]:
-        return lambda: generate(
-            model, input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-            ignore_eos=fixed, pad_token_id=2, cache=cache, finished=finished,
-        )  # fmt: skip
-
     table: dict[str, Callable[[], torch.Tensor]] = {"hf": hf}
+    dtype = next(model.parameters()).dtype
     for name in chosen:
         cache, finished = name.split("/")
-        table[f"slipstream {name}"] = ours(cache, finished)
+        engine = init_inference(
+            copy.deepcopy(model), dtype=dtype, kv_cache=cache, finished_rows=finished,
+            max_out_tokens=model.config.max_position_embeddings,
+        )  # fmt: skip
+        table[f"slipstream {name}"] = partial(
+            engine.generate, ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+            ignore_eos=fixed, pad_token_id=2,
+        )  # fmt: skip
     return table
 
 
+def agreement(got: torch.Tensor, want: torch.Tensor, prompt_len: int) -> float:
+    """Fraction of generated positions where two outputs agree (shorter one padded)."""
+    width = max(got.shape[1], want.shape[1])
+    got, want = (F.pad(t, (0, width - t.shape[1]), value=-1) for t in (got, want))
+    return (got[:, prompt_len:] == want[:, prompt_len:]).float().mean().item()
+
+
 def run_cell(model: Any, tok: Any, batch: int, dtype: torch.dtype, args: argparse.Namespace,
-             fixed: bool) -> dict[str, float]:  # fmt: skip
+             fixed: bool) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """{variant: (tokens/s, agreement with HF's tokens)}; fp32 must agree exactly."""
     model.to(dtype)
     ids, mask = prompts(tok, batch, model.config.vocab_size)
     table = variants(model, ids, mask, args.new_tokens, fixed, args.variants)
     eos = None if fixed else model.generation_config.eos_token_id
     reference = table["hf"]()
-    for name, fn in table.items():
-        got = fn()
-        if name != "hf" and not torch.equal(got, reference):
-            rows = (got != reference).any(1).nonzero().flatten().tolist()
-            raise AssertionError(f"{name} differs from HF generate in rows {rows}")
+    agree = {name: agreement(fn(), reference, ids.shape[1]) for name, fn in table.items()}
+    if dtype == torch.float32 and min(agree.values()) < 1.0:
+        raise AssertionError(f"fp32 greedy outputs differ from HF generate: {agree}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in table}
     counts: dict[str, int] = {}
     for _ in range(args.repeats):
         for name, fn in table.items():
-            start = time.perf_counter()
+            start = clock()
             out = fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
             counts[name] = generated_tokens(out, ids.shape[1], eos)
-    return {name: counts[name] / statistics.median(t) for name, t in times.items()}
+    return {name: (counts[name] / statistics.median(t), agree[name]) for name, t in times.items()}
 
 
 def main() -> None:
@@ -169,22 +186,29 @@ def main() -> None:
                         choices=["fixed", "chat"])  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: process CPU time (steadier on a machine shared with other "
+                        "jobs; use with --threads 1)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=["dynamic/drop"],
                         help="slipstream cache/finished-rows pairs, e.g. static/mask")  # fmt: skip
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok, what = load_model(args)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     print(f"model: {what}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
-    print(f"{'workload':8} {'batch':>5} {'dtype':5} {'variant':24} {'tokens/s':>9} {'vs HF':>6}")
+          f"{args.clock} clock, load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
+    print(f"{'workload':8} {'batch':>5} {'dtype':5} {'variant':24} {'tokens/s':>9} {'vs HF':>6} "
+          f"{'same tokens as HF':>17}")  # fmt: skip
     for workload in args.workload:
         for batch in args.batch:
             for name in args.dtype:
                 speeds = run_cell(model, tok, batch, dtypes[name], args, workload == "fixed")
-                for variant, tps in speeds.items():
-                    ratio = tps / speeds["hf"]
+                for variant, (tps, same) in speeds.items():
+                    ratio = tps / speeds["hf"][0]
                     print(f"{workload:8} {batch:5d} {name:5} {variant:24} {tps:9.1f} "
-                          f"{ratio:5.2f}x", flush=True)  # fmt: skip
+                          f"{ratio:5.2f}x {same:16.1%}", flush=True)  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -139,6 +139,11 @@ class InferenceConfig(StrictModel):
     """(slipstream) The transformers cache class generation uses: "dynamic" (grows by one
     column a step) or "static" (preallocated for prompt plus new tokens). Both give the
     same tokens; docs/inference.md has the timings behind the default."""
+    cpu_half_gemm: Literal["auto", "native", "fp32"] = "auto"
+    """(slipstream) How bf16/fp16 linear layers on the CPU multiply batches of rows: "fp32"
+    computes them in fp32 from the half-precision weights (faster where the CPU has no
+    bf16 instructions), "native" uses the bf16/fp16 GEMM, "auto" picks "fp32" unless the
+    CPU has AVX512-BF16 or AMX (``slipstream.inference.kernels``)."""
     finished_rows: Literal["drop", "mask"] = "drop"
     """(slipstream) What happens to a sequence that has ended while others go on: "drop"
     removes it from the batch and the cache (it stops costing compute), "mask" keeps

@@ -18,6 +18,7 @@ from torch import nn
 from slipstream.config._errors import ConfigError
 from slipstream.inference import generation
 from slipstream.inference.config import InferenceConfig, read_inference_config
+from slipstream.inference.kernels import fp32_gemm_for_half_weights_, native_half_gemm
 from slipstream.inference.loading import load_weights
 
 __all__ = ["InferenceEngine", "init_inference", "resolve_quant"]
@@ -163,6 +164,10 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         from slipstream.quant import quantize_
 
         quantize_(model, quant)
+    half = cfg.torch_dtype in (torch.bfloat16, torch.float16)
+    emulated = cfg.cpu_half_gemm == "auto" and not native_half_gemm()
+    if half and (cfg.cpu_half_gemm == "fp32" or emulated):
+        fp32_gemm_for_half_weights_(model)
     model.eval()
     model.requires_grad_(False)
     return InferenceEngine(model, cfg)
