@@ -2,8 +2,8 @@
 
 ``import slipstream as deepspeed`` keeps DeepSpeed scripts working: ``initialize``,
 ``init_distributed``, ``comm``, ``checkpointing`` (activation checkpointing),
-``add_config_arguments``, ``slipstream.pipe`` and ``slipstream.PipelineModule`` (pipeline
-modules), ``accelerator``, ``ops.adam``, ``utils``, ``OnDevice`` and the engine's methods.
+``add_config_arguments``, ``init_inference`` (the inference engine), ``slipstream.pipe`` and
+``slipstream.PipelineModule`` (pipeline modules), ``accelerator``, ``ops.adam``, ``utils``, ``OnDevice`` and the engine's methods.
 With ``SLIPSTREAM_AS_DEEPSPEED=1`` even ``import deepspeed`` is slipstream
 (docs/compatibility.md).
 """
@@ -15,6 +15,7 @@ import argparse
 from slipstream import accelerator, checkpointing, comm, ops, pipe, utils, zero
 from slipstream.comm import init_distributed
 from slipstream.config import ConfigError, SlipstreamConfig
+from slipstream.inference import InferenceEngine, init_inference
 from slipstream.pipe import PipelineModule
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
@@ -34,6 +35,7 @@ __all__ = [
     "DeepSpeedConfig",
     "DeepSpeedEngine",
     "Engine",
+    "InferenceEngine",
     "OnDevice",
     "PipelineModule",
     "SlipstreamConfig",
@@ -43,6 +45,7 @@ __all__ = [
     "checkpointing",
     "comm",
     "init_distributed",
+    "init_inference",
     "initialize",
     "log_dist",
     "logger",

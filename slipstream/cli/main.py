@@ -13,7 +13,7 @@ import sys
 import textwrap
 from typing import Any
 
-from slipstream.cli import convert, launcher, plan, plot, quant, report, tune
+from slipstream.cli import convert, generate, launcher, plan, plot, quant, report, tune
 from slipstream.version import __version__
 
 __all__ = ["PlainTextFormatter", "build_parser", "main", "plain_text"]
@@ -98,6 +98,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     plot.add_parser(subparsers)
     plan.add_parser(subparsers)
     tune.add_parser(subparsers)
+    generate.add_parser(subparsers)
     _add_demo_parser(subparsers, load=command == "demo")
     return parser
 

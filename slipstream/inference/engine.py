@@ -1,0 +1,173 @@
+"""``init_inference`` and ``InferenceEngine``: DeepSpeed-Inference's entry point.
+
+``init_inference`` prepares the model in place, in this order: load ``checkpoint``, cast to
+``dtype``, quantize (``quant``, or ``dtype="int8"``), ``eval()`` with gradients off. The
+engine then only sequences: ``forward`` is the module's, ``generate`` and ``stream`` run
+slipstream's decode loop (``generation.py``) with the engine's limits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.config._errors import ConfigError
+from slipstream.inference import generation
+from slipstream.inference.config import InferenceConfig, read_inference_config
+from slipstream.inference.kernels import fp32_gemm_for_half_weights_, native_half_gemm
+from slipstream.inference.loading import load_weights
+
+__all__ = ["InferenceEngine", "init_inference", "resolve_quant"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_quant(quant: Any, dtype: torch.dtype | None) -> Any:
+    """The ``slipstream.quant`` config that ``quant`` / ``dtype="int8"`` ask for, or None.
+
+    ``quant`` may be a ``QuantConfig``, a row name of ``EVAL_CONFIGS`` ("w8a8-int", ...),
+    or DeepSpeed's ``{"enabled": bool, "weight": {"num_bits": 8 | 4, "group_size": g}}``.
+    """
+    from slipstream.quant import HeroModes, QuantConfig, W4A8Int4, W8A8Int
+    from slipstream.quant.eval import EVAL_CONFIGS
+
+    if isinstance(quant, QuantConfig):
+        return quant
+    if isinstance(quant, str):
+        if quant not in EVAL_CONFIGS or quant == "fp32":
+            names = ", ".join(n for n in EVAL_CONFIGS if n != "fp32")
+            raise ConfigError(f"init_inference: quant={quant!r} is unknown; use one of {names}")
+        return EVAL_CONFIGS[quant]("int_mm", 64)
+    if isinstance(quant, dict) and quant.get("enabled", True):
+        weight = quant.get("weight", {})
+        bits, group = weight.get("num_bits", 8), weight.get("group_size", 64)
+        if bits == 8:
+            return W8A8Int(modes=_FLOAT_ATTENTION_CORE(HeroModes))
+        if bits == 4:
+            return W4A8Int4(group_size=group)
+        raise ConfigError(
+            f"init_inference: quant.weight.num_bits={bits!r} is not supported; use 8 or 4"
+        )
+    if quant not in (None, {}) and not isinstance(quant, dict):
+        raise ConfigError(
+            f"init_inference: quant={quant!r} is not a quantization config; pass a "
+            "slipstream.quant config such as W8A8Int(), a name like 'w8a8-int', or "
+            '{"enabled": true, "weight": {"num_bits": 8}}'
+        )
+    return W8A8Int(modes=_FLOAT_ATTENTION_CORE(HeroModes)) if dtype is torch.int8 else None
+
+
+def _FLOAT_ATTENTION_CORE(modes_cls: Any) -> Any:
+    """INT8 GEMMs with the model's own float attention: the INT8 attention core replaces
+    slipstream GPT attention only, and Hugging Face models keep theirs."""
+    return modes_cls(attn_core=False)
+
+
+class InferenceEngine:
+    """A model prepared for inference; DeepSpeed's ``InferenceEngine`` surface.
+
+    Attributes:
+        module: the prepared model (the same object that was passed in, converted in place).
+        config: the validated :class:`InferenceConfig`.
+    """
+
+    def __init__(self, module: nn.Module, config: InferenceConfig) -> None:
+        self.module = module
+        self.config = config
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward, without autograd."""
+        with torch.inference_mode():
+            return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def _args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if len(args) > 1:
+            raise ConfigError(
+                "generate takes the prompt ids as its only positional argument; pass the "
+                "rest by keyword (attention_mask=..., max_new_tokens=...)"
+            )
+        if args:
+            if "input_ids" in kwargs or "inputs" in kwargs:
+                raise ConfigError("generate: input_ids given both by position and by keyword")
+            kwargs = {"input_ids": args[0], **kwargs}
+        return {
+            "max_out_tokens": self.config.max_out_tokens,
+            "cache": self.config.kv_cache,
+            "finished": self.config.finished_rows,
+            **kwargs,
+        }
+
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Hugging Face ``model.generate``: ``[batch, prompt + new]`` token ids.
+
+        See :func:`slipstream.inference.generate` for the arguments; the prompt plus new
+        tokens may not exceed ``max_out_tokens``.
+        """
+        return generation.generate(self.module, **self._args(args, kwargs))
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[torch.Tensor]:
+        """Yield each step's tokens ``[batch]`` as they are produced (same arguments)."""
+        return generation.stream(self.module, **self._args(args, kwargs))
+
+
+def _check_parallel(config: InferenceConfig) -> None:
+    if config.tp_size > 1:
+        raise ConfigError(
+            f"init_inference: tensor_parallel.tp_size={config.tp_size} is not supported yet: "
+            "tensor-parallel inference lands with the tensor-parallel refactor (single-device "
+            "models with TP plans applied from outside). Use tp_size=1 (one process) for now"
+        )
+    if config.training_mp_size != 1:
+        raise ConfigError(
+            f"init_inference: training_mp_size={config.training_mp_size} needs tensor-parallel "
+            "checkpoint merging, which is not implemented; export a consolidated checkpoint "
+            "(slipstream convert) and load that"
+        )
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """Prepare ``model`` for inference and return an :class:`InferenceEngine`.
+
+    Args:
+        model: a ``torch.nn.Module`` (Hugging Face causal LMs get ``generate``).
+        config: a dict of DeepSpeed inference keys, an :class:`InferenceConfig`, or None.
+        **kwargs: the same keys as keyword arguments (``dtype=torch.bfloat16``,
+            ``tensor_parallel={"tp_size": 1}``, ``max_out_tokens=2048``, ``quant=...``).
+
+    Raises:
+        ConfigError: an unknown key (with a did-you-mean), a bad value, a key given twice
+            with different values, or a setting slipstream refuses (``tp_size`` > 1 for now).
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"init_inference: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    cfg = read_inference_config(config, kwargs)
+    _check_parallel(cfg)
+    quant = resolve_quant(cfg.quant, cfg.dtype)
+    if cfg.enable_cuda_graph:
+        logger.warning(
+            "init_inference: enable_cuda_graph=True has no effect; slipstream does not "
+            "capture CUDA graphs"
+        )
+    if cfg.checkpoint is not None:
+        load_weights(model, cfg.checkpoint, cfg.base_dir)
+    if cfg.torch_dtype is not None:
+        model.to(cfg.torch_dtype)
+    if quant is not None:
+        from slipstream.quant import quantize_
+
+        quantize_(model, quant)
+    half = cfg.torch_dtype in (torch.bfloat16, torch.float16)
+    emulated = cfg.cpu_half_gemm == "auto" and not native_half_gemm()
+    if half and (cfg.cpu_half_gemm == "fp32" or emulated):
+        fp32_gemm_for_half_weights_(model)
+    model.eval()
+    model.requires_grad_(False)
+    return InferenceEngine(model, cfg)

