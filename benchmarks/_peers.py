@@ -224,8 +224,10 @@ def _build_slipstream(
     import slipstream
 
     config = _engine_config(cfg, stage, {})
-    if monitors:
-        out = tempfile.mkdtemp(prefix="slipstream-bench-monitors-")
+    if monitors:  # one directory every rank agrees on (the configs must be equal)
+        out = os.path.join(
+            tempfile.gettempdir(), f"slipstream-bench-monitors-{os.environ.get('MASTER_PORT')}"
+        )
         config["tensorboard"] = {"enabled": True, "output_path": out, "job_name": "tb"}
         config["csv_monitor"] = {"enabled": True, "output_path": out, "job_name": "csv"}
     engine, optimizer, _, _ = slipstream.initialize(model=model, config=config)
