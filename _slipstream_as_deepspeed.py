@@ -66,7 +66,6 @@ _HINTS: dict[str, str] = {
     "deepspeed.runtime.activation_checkpointing": "use deepspeed.checkpointing (the same names)",
     "deepspeed.ops.op_builder": "slipstream compiles no ops; nothing needs building",
     "deepspeed.launcher": "launch with `slipstream run --as-deepspeed` (DeepSpeed's flags)",
-    "deepspeed.inference": "the inference engine is not implemented yet",
     "deepspeed.moe": "mixture-of-experts layers are not implemented yet",
 }
 

@@ -140,8 +140,8 @@ def test_in_process_install_and_uninstall() -> None:
     try:
         importlib.import_module("deepspeed")
         assert sys.modules["deepspeed"].__slipstream_version__
-        with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.inference"):
-            importlib.import_module("deepspeed.inference")
+        with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.moe"):
+            importlib.import_module("deepspeed.moe")
     finally:
         alias.uninstall()
     assert "deepspeed" not in sys.modules and not alias.is_installed()
