@@ -11,7 +11,7 @@ from slipstream.accelerator.real_accelerator import (
     is_current_accelerator_supported,
     set_accelerator,
 )
-from slipstream.accelerator.torch_accelerator import TorchAccelerator
+from slipstream.accelerator.torch_accelerator import TorchAccelerator, host_rss_bytes
 
 DeepSpeedAccelerator = TorchAccelerator
 
@@ -19,6 +19,7 @@ __all__ = [
     "DeepSpeedAccelerator",
     "TorchAccelerator",
     "get_accelerator",
+    "host_rss_bytes",
     "is_current_accelerator_supported",
     "set_accelerator",
 ]

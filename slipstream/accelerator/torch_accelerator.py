@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["TorchAccelerator"]
+__all__ = ["TorchAccelerator", "host_rss_bytes"]
 
 
-def _rss_bytes() -> int:
+def host_rss_bytes() -> int:
     """Resident set size of this process (what DeepSpeed's CPU accelerator calls memory)."""
     try:
         import psutil
@@ -59,7 +59,7 @@ class TorchAccelerator:
             raise ValueError(f"TorchAccelerator({device_type!r}): expected 'cpu' or 'cuda'")
         self._name = device_type
         self._cuda = device_type == "cuda"
-        self._max_rss = 0 if self._cuda else _rss_bytes()
+        self._max_rss = 0 if self._cuda else host_rss_bytes()
 
     def __repr__(self) -> str:
         return f"TorchAccelerator({self._name!r})"
@@ -167,7 +167,7 @@ class TorchAccelerator:
     # --- memory ---------------------------------------------------------------------------
 
     def _rss(self) -> int:
-        rss = _rss_bytes()
+        rss = host_rss_bytes()
         self._max_rss = max(self._max_rss, rss)
         return rss
 
@@ -187,7 +187,7 @@ class TorchAccelerator:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(device_index)
         else:
-            self._max_rss = _rss_bytes()
+            self._max_rss = host_rss_bytes()
 
     reset_peak_memory_stats = reset_max_memory_allocated
 

@@ -6,7 +6,6 @@ This is the thin facade of DESIGN.md: it parses the config once, builds the mesh
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -181,11 +180,11 @@ def _memory_estimator(
     tensors per parameter (``memory_breakdown`` compares it with what the rank holds)."""
     zero = cfg.zero_optimization
     off_opt, off_param = zero.offload_optimizer, zero.offload_param
-    return functools.partial(
-        _estimate,
+    return lambda states: estimate_memory(
         model,
         world,
         zero.stage,
+        optimizer_states=states,
         param_dtype=policy.param_dtype,
         master_dtype=policy.master_dtype,
         grad_dtype=policy.grad_accum_dtype,
@@ -193,10 +192,6 @@ def _memory_estimator(
         offload_optimizer=off_opt.device if off_opt is not None and off_opt.enabled else None,
         offload_param=off_param.device if off_param is not None and off_param.enabled else None,
     )
-
-
-def _estimate(model: nn.Module, world: int, stage: int, states: int, **kw: Any) -> dict[str, int]:
-    return estimate_memory(model, world, stage, optimizer_states=states, **kw)
 
 
 def _parallel_dims(cfg: SlipstreamConfig, model: nn.Module) -> ParallelDims:

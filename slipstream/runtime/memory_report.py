@@ -10,17 +10,15 @@ boundary and the peak since the previous line, and the model-state bytes this ra
 
 from __future__ import annotations
 
-import os
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from slipstream.accelerator import get_accelerator
+from slipstream.accelerator import get_accelerator, host_rss_bytes
 from slipstream.zero import ZeroOptimizer
 
-__all__ = ["MemoryBreakdown", "host_rss_bytes"]
+__all__ = ["MemoryBreakdown"]
 
 _MB = 2**20
 
@@ -32,15 +30,6 @@ def _states_per_param(optimizer: ZeroOptimizer) -> int | None:
         if sizes:
             return sum(n == max(sizes) for n in sizes)
     return None
-
-
-def host_rss_bytes() -> int:
-    """This process's resident set size (Linux ``/proc``; the peak RSS elsewhere)."""
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass
