@@ -55,7 +55,7 @@ _OFF = frozenset({"", "0", "false", "no", "off"})
 
 REDIRECTS: dict[str, str] = {
     "deepspeed.runtime.zero": "slipstream.zero",
-    "deepspeed.runtime.zero.partition_parameters": "slipstream.zero",
+    "deepspeed.runtime.zero.partition_parameters": "slipstream.zero.partition_parameters",
     "deepspeed.runtime.pipe": "slipstream.pipe",
     "deepspeed.runtime.pipe.module": "slipstream.pipe",
     "deepspeed.runtime.pipe.engine": "slipstream.pipe",

@@ -39,6 +39,7 @@ class ThroughputTimer:
         self.batch_size = batch_size
         self.start_step = start_step
         self.global_step_count = 0
+        self.epoch_count = 0
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
         self._last: float | None = None
@@ -51,6 +52,10 @@ class ThroughputTimer:
             self.step_elapsed_time = now - self._last
             self.total_elapsed_time += self.step_elapsed_time
         self._last = now
+
+    def update_epoch_count(self) -> None:
+        """Count a finished epoch (DeepSpeed-Chat calls it after each)."""
+        self.epoch_count += 1
 
     def avg_samples_per_sec(self) -> float:
         """Mean samples/s after the warm-up steps; ``-inf`` before any step was timed (as
