@@ -373,6 +373,8 @@ def read_config(
     _strip_not_yet_implemented(raw)
     _drop_null_monitors(raw)
     _drop_keys_deepspeed_ignores(raw)
+    if raw.get("steps_per_print") == float("inf"):  # Accelerate's "never print"
+        raw["steps_per_print"] = None
     batch = {k: _batch_value(raw, k) for k in BATCH_KEYS}
     resolve_auto(raw, ctx)
     cfg: SlipstreamConfig = validate_model(SlipstreamConfig, raw, "")

@@ -273,3 +273,15 @@ def test_resolved_is_empty_without_auto() -> None:
     ctx = _full_auto()
     parse_config(EXAMPLES / "zero2_bf16.json", dp_world_size=2, auto=ctx)
     assert ctx.resolved == {}
+
+
+def test_accelerates_infinite_steps_per_print_means_never() -> None:
+    """Accelerate writes steps_per_print = inf to silence DeepSpeed: no step lines."""
+    assert parse_config(_cfg(steps_per_print=float("inf"))).steps_per_print is None
+
+
+def test_config_reads_like_deepspeeds_dict() -> None:
+    """engine.config.get(...) as on DeepSpeed's engine (the HF Trainer reads the stage so)."""
+    cfg = parse_config(_cfg(zero_optimization={"stage": 3}))
+    assert cfg.get("zero_optimization", {}).get("stage") == 3
+    assert cfg.get("no_such_block", "x") == "x"
