@@ -68,7 +68,7 @@ def train(
         err_gen = bce(disc(fake), torch.ones(len(real)))
         back_g(err_gen)
         step_g()
-        losses.append((float(err_real), float(err_fake), float(err_gen)))
+        losses.append((err_real.item(), err_fake.item(), err_gen.item()))
     return losses
 
 
