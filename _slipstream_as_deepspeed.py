@@ -55,17 +55,20 @@ _OFF = frozenset({"", "0", "false", "no", "off"})
 
 REDIRECTS: dict[str, str] = {
     "deepspeed.runtime.zero": "slipstream.zero",
-    "deepspeed.runtime.zero.partition_parameters": "slipstream.zero",
+    "deepspeed.runtime.zero.partition_parameters": "slipstream.zero.partition_parameters",
     "deepspeed.runtime.pipe": "slipstream.pipe",
     "deepspeed.runtime.pipe.module": "slipstream.pipe",
     "deepspeed.runtime.pipe.engine": "slipstream.pipe",
+    "deepspeed.checkpoint.utils": "slipstream.utils.torch_save",
+    # `accelerate launch --use_deepspeed` reads DEEPSPEED_ENVIRONMENT_NAME from here.
+    "deepspeed.launcher": "slipstream.cli",
+    "deepspeed.launcher.runner": "slipstream.cli.launcher",
 }
 """DeepSpeed module paths whose names slipstream keeps in another module."""
 
 _HINTS: dict[str, str] = {
     "deepspeed.runtime.activation_checkpointing": "use deepspeed.checkpointing (the same names)",
     "deepspeed.ops.op_builder": "slipstream compiles no ops; nothing needs building",
-    "deepspeed.launcher": "launch with `slipstream run --as-deepspeed` (DeepSpeed's flags)",
     "deepspeed.moe": "mixture-of-experts layers are not implemented yet",
 }
 

@@ -3,7 +3,9 @@
 ``import slipstream as deepspeed`` keeps DeepSpeed scripts working: ``initialize``,
 ``init_distributed``, ``comm``, ``checkpointing`` (activation checkpointing),
 ``add_config_arguments``, ``init_inference`` (the inference engine), ``slipstream.pipe`` and
-``slipstream.PipelineModule`` (pipeline modules), ``accelerator``, ``ops.adam``, ``utils``, ``OnDevice`` and the engine's methods.
+``slipstream.PipelineModule`` (pipeline modules), ``accelerator`` and ``get_accelerator``,
+``ops.adam``, ``utils``, ``runtime.utils``, ``runtime.lr_schedules``, ``OnDevice`` and the
+engine's methods.
 With ``SLIPSTREAM_AS_DEEPSPEED=1`` even ``import deepspeed`` is slipstream
 (docs/compatibility.md).
 """
@@ -13,10 +15,15 @@ from __future__ import annotations
 import argparse
 
 from slipstream import accelerator, checkpointing, comm, ops, pipe, utils, zero
+from slipstream.accelerator import get_accelerator
 from slipstream.comm import init_distributed
 from slipstream.config import ConfigError, SlipstreamConfig
 from slipstream.inference import InferenceEngine, init_inference
 from slipstream.pipe import PipelineModule
+
+# As after `import deepspeed`, `deepspeed.runtime.utils` and `.lr_schedules` resolve.
+from slipstream.runtime import lr_schedules as _lr_schedules  # noqa: F401
+from slipstream.runtime import utils as _runtime_utils  # noqa: F401
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
 from slipstream.utils import OnDevice, log_dist, logger
@@ -44,6 +51,7 @@ __all__ = [
     "add_config_arguments",
     "checkpointing",
     "comm",
+    "get_accelerator",
     "init_distributed",
     "init_inference",
     "initialize",

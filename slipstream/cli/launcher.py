@@ -58,6 +58,9 @@ __all__ = [
 DEFAULT_HOSTFILE = "/job/hostfile"
 AS_DEEPSPEED_ENV = "SLIPSTREAM_AS_DEEPSPEED"  # read by _slipstream_as_deepspeed at startup
 DEFAULT_MASTER_PORT = 29500
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
+"""DeepSpeed's file of KEY=VALUE lines exported on every node (``slipstream run`` reads it
+too); Accelerate imports the name as ``deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME``."""
 _STATIC_RUN_ID = "slipstream"  # static rendezvous: every node must use the same id
 _RANK_ENTRY = str(Path(__file__).with_name("_rank_entry.py"))  # by path: see its docstring
 

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from slipstream.config._base import StrictModel
 from slipstream.config._errors import ConfigError
+from slipstream.config.zero import OffloadConfig, ZeroConfig
 
 __all__ = ["AUTO", "BATCH_KEYS", "AutoContext", "is_auto", "reject_remaining_auto", "resolve_auto"]
 
@@ -34,6 +36,8 @@ class AutoContext:
     optimizer_defaults: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
     client_hparams: dict[str, Any] = field(default_factory=dict)
     resolved: dict[str, Any] = field(default_factory=dict)
+    defaulted: list[str] = field(default_factory=list)
+    """Keys whose "auto" took DeepSpeed's default (nothing to resolve them from)."""
 
 
 def is_auto(value: Any) -> bool:
@@ -54,24 +58,44 @@ def resolve_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
             pipe[key] = None
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
-        hidden_rules = {
-            "reduce_bucket_size": 1.0,
-            "allgather_bucket_size": 1.0,
-            "stage3_prefetch_bucket_size": 0.9,
-            "stage3_param_persistence_threshold": None,
-        }
-        for key, factor in hidden_rules.items():
-            if not is_auto(zero.get(key)):
-                continue
-            if ctx.hidden_size is None:
-                raise ConfigError(
-                    f"cannot resolve 'zero_optimization.{key}' = \"auto\": the model has no "
-                    "config.hidden_size; set a number of elements instead"
-                )
-            h = ctx.hidden_size
+        _resolve_zero_auto(zero, ctx)
+    reject_remaining_auto(raw, "")
+
+
+# Hugging Face's rules for "auto" ZeRO sizes from the model's hidden size h: factor x h^2,
+# or 10 x h where the factor is None.
+_HIDDEN_RULES = {
+    "reduce_bucket_size": 1.0,
+    "allgather_bucket_size": 1.0,
+    "stage3_prefetch_bucket_size": 0.9,
+    "stage3_param_persistence_threshold": None,
+}
+
+
+def _resolve_zero_auto(zero: dict[str, Any], ctx: AutoContext) -> None:
+    """Sizes from the hidden size where the model has one; every other "auto" in the block
+    takes DeepSpeed's default, as DeepSpeed's own config models drop "auto" values."""
+    h = ctx.hidden_size
+    for key, factor in _HIDDEN_RULES.items():
+        if is_auto(zero.get(key)) and h is not None:
             zero[key] = 10 * h if factor is None else int(factor * h * h)
             ctx.resolved[f"zero_optimization.{key}"] = zero[key]
-    reject_remaining_auto(raw, "")
+    _drop_auto(zero, ZeroConfig, "zero_optimization", ctx)
+    for key in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(key), dict):
+            _drop_auto(zero[key], OffloadConfig, f"zero_optimization.{key}", ctx)
+
+
+def _drop_auto(
+    block: dict[str, Any], model: type[StrictModel], where: str, ctx: AutoContext
+) -> None:
+    """Drop the "auto" values of ``model``'s fields (unknown keys stay, to be refused, and
+    so does ``stage``: DeepSpeed would silently run stage 0)."""
+    fields = model.model_fields
+    known = (set(fields) | {f.alias for f in fields.values() if f.alias}) - {"stage"}
+    for key in [k for k, v in block.items() if is_auto(v) and k in known]:
+        del block[key]
+        ctx.defaulted.append(f"{where}.{key}")
 
 
 def _resolve_precision_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
@@ -135,6 +159,6 @@ def reject_remaining_auto(node: Any, where: str) -> None:
                 raise ConfigError(
                     f"cannot resolve config key '{path}' = \"auto\": slipstream resolves 'auto' "
                     "only for batch sizes, optimizer hyperparameters, scheduler lr bounds, "
-                    "fp16/bf16.enabled and ZeRO bucket sizes; set an explicit value"
+                    "fp16/bf16.enabled and zero_optimization keys; set an explicit value"
                 )
             reject_remaining_auto(value, path)

@@ -232,6 +232,25 @@ def _drop_null_monitors(raw: dict[str, Any]) -> None:
             del raw[key]
 
 
+# Top-level keys found in DeepSpeed configs that DeepSpeed itself never reads: they are
+# dropped with a warning (with what to use instead) rather than refused as unknown.
+IGNORED_BY_DEEPSPEED = {
+    "cuda_visible_devices": "select devices with the CUDA_VISIBLE_DEVICES environment variable "
+    "or the launcher's --include/--exclude",
+}
+
+
+def _drop_keys_deepspeed_ignores(raw: dict[str, Any]) -> None:
+    for key, instead in IGNORED_BY_DEEPSPEED.items():
+        if key in raw:
+            warnings.warn(
+                f"config key '{key}' = {raw.pop(key)!r} is ignored, as DeepSpeed ignores it: "
+                f"{instead}",
+                UserWarning,
+                stacklevel=_first_frame_outside_config(),
+            )
+
+
 _BLOCKS_WITHOUT_ENABLED = frozenset(
     {
         "checkpoint",
@@ -353,6 +372,9 @@ def read_config(
     _apply_aliases(raw)
     _strip_not_yet_implemented(raw)
     _drop_null_monitors(raw)
+    _drop_keys_deepspeed_ignores(raw)
+    if raw.get("steps_per_print") == float("inf"):  # Accelerate's "never print"
+        raw["steps_per_print"] = None
     batch = {k: _batch_value(raw, k) for k in BATCH_KEYS}
     resolve_auto(raw, ctx)
     cfg: SlipstreamConfig = validate_model(SlipstreamConfig, raw, "")
@@ -362,7 +384,23 @@ def read_config(
     _check_consistency(cfg)
     if "gradient_clipping" not in raw:
         _note_default_clipping()
+    _note_auto_defaults(cfg, ctx.defaulted)
     return cfg
+
+
+def _note_auto_defaults(cfg: SlipstreamConfig, keys: list[str]) -> None:
+    """Log the "auto" keys that took DeepSpeed's default, with the value, on rank 0."""
+    for key in keys:
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part, None)
+        log_rank0(
+            '%s = "auto": DeepSpeed\'s default %s is used, as DeepSpeed %s does (it drops '
+            '"auto" here; bucket sizes follow config.hidden_size when the model has one)',
+            key,
+            value,
+            DEEPSPEED_VERSION,
+        )
 
 
 def resolve_batch(cfg: SlipstreamConfig, dp_world_size: int) -> SlipstreamConfig:

@@ -205,6 +205,12 @@ class SlipstreamConfig(StrictModel):
     managed_gradient_accumulation: bool = True
     """The engine counts micro-steps; false makes every ``step()`` a boundary."""
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """DeepSpeed's ``engine.config`` is the config dict: ``config.get("zero_optimization",
+        {}).get("stage")`` (the Hugging Face Trainer does this) reads this config as a dict
+        of its DeepSpeed keys (a copy; edits do not reach the engine)."""
+        return self.model_dump().get(key, default)
+
     @property
     def batch(self) -> tuple[int, int, int]:
         """(train_batch_size, micro batch, accumulation steps), resolved."""

@@ -6,7 +6,8 @@ not answer fall through to the wrapped module (as DeepSpeed's engine does, so
 introspection surface DeepSpeed scripts use (``tput_timer``, ``world_size``,
 ``mp_world_size``, ``steps_per_print()``, ``wall_clock_breakdown()``,
 ``zero_optimization_partition_gradients()``, ``data_parallel_group``, ``save_fp16_model``,
-``empty_partition_cache``). Nothing here changes training.
+``empty_partition_cache``, the ZeRO-3 consolidated state dict Accelerate saves). Nothing here
+changes training.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from slipstream.distributed import comm
@@ -39,6 +41,7 @@ class ThroughputTimer:
         self.batch_size = batch_size
         self.start_step = start_step
         self.global_step_count = 0
+        self.epoch_count = 0
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
         self._last: float | None = None
@@ -51,6 +54,10 @@ class ThroughputTimer:
             self.step_elapsed_time = now - self._last
             self.total_elapsed_time += self.step_elapsed_time
         self._last = now
+
+    def update_epoch_count(self) -> None:
+        """Count a finished epoch (DeepSpeed-Chat calls it after each)."""
+        self.epoch_count += 1
 
     def avg_samples_per_sec(self) -> float:
         """Mean samples/s after the warm-up steps; ``-inf`` before any step was timed (as
@@ -140,6 +147,46 @@ class DeepSpeedEngineAttributes:
     ) -> bool:
         """DeepSpeed's old name of ``save_16bit_model``."""
         return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (Accelerate asks
+        before saving a ZeRO-3 model)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's: the full state dict of a ZeRO-3 model on the CPU of rank 0 (None on
+        the other ranks), in the parameters' dtype; tied parameters share one tensor.
+
+        Every rank must call it. Parameters are gathered one module at a time, so rank 0
+        holds the CPU copy plus one module's parameters (Accelerate and the Hugging Face
+        Trainer save ZeRO-3 models through this).
+        """
+        if self.zero_optimization_stage() != 3:
+            raise ValueError(
+                "_zero3_consolidated_16bit_state_dict() requires ZeRO stage 3: at stage "
+                f"{self.zero_optimization_stage()} use engine.module.state_dict()"
+            )
+        from slipstream.zero import GatheredParameters
+
+        rank0 = comm.get_rank() == 0
+        out: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}
+        for prefix, module in self.module.named_modules():
+            dot = f"{prefix}." if prefix else ""
+            with GatheredParameters(list(module.parameters(recurse=False))):
+                if not rank0:
+                    continue
+                for name, param in module.named_parameters(recurse=False):
+                    if exclude_frozen_parameters and not param.requires_grad:
+                        continue
+                    key = seen.setdefault(id(param), dot + name)
+                    out[dot + name] = out[key] if key in out else param.detach().cpu().clone()
+                for name, buf in module.named_buffers(recurse=False):
+                    if name not in module._non_persistent_buffers_set:
+                        out[dot + name] = buf.detach().cpu().clone()
+        return out if rank0 else None
 
     def empty_partition_cache(self) -> None:
         """ZeRO-3: release every gathered parameter now (e.g. before generation outside

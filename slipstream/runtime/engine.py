@@ -203,7 +203,11 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         if not scale_wrt_gas and self.config.managed_gradient_accumulation:
             scaled = scaled * self.gradient_accumulation_steps()
         with self._timers.phase("backward"), self._profiled("backward"):
-            scaled.backward(retain_graph=retain_graph)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                self._require_optimizer().disarm_backward()
+                raise
             self._require_optimizer().finish_backward()
         return loss
 
@@ -235,6 +239,7 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
             self._maybe_print()
         self.micro_steps += 1
         self._boundary_override = None
+        opt.disarm_backward()  # a later pass not run by this engine leaves .grad alone
         if error is not None:
             raise error
 

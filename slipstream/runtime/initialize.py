@@ -72,7 +72,9 @@ def initialize(
             parameters and returning one; overrides the config's ``optimizer`` block.
         model_parameters: parameters or param-group dicts to optimize (default: all
             trainable parameters of ``model``).
-        training_data: a Dataset; a distributed dataloader of micro-batches is returned.
+        training_data: a Dataset; a distributed dataloader of micro-batches is returned,
+            shuffled with the config's ``seed`` (DeepSpeed's ``DistributedSampler`` order),
+            in order for a ``PipelineModule`` as DeepSpeed's pipeline engine reads it.
         lr_scheduler: a scheduler or a callable taking the optimizer; overrides the config.
         distributed_port: MASTER_PORT when initializing a single process.
         dist_init_required: initialize torch.distributed (None: if not yet initialized).
@@ -153,6 +155,7 @@ def initialize(
             collate_fn=collate_fn,
             drop_last=cfg.dataloader_drop_last,
             seed=cfg.seed or 0,
+            shuffle=not _is_pipeline(model),  # DeepSpeed's pipeline reads in order
         )
     engine = _engine_class(model)(model, zero_opt, scheduler, cfg, mesh, device)
     engine.training_dataloader = loader
@@ -324,11 +327,16 @@ def _floating_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _hidden_size(model: nn.Module) -> int | None:
+    """The model config's hidden size, where Hugging Face's integration looks for it."""
     conf = getattr(model, "config", None)
-    for attr in ("hidden_size", "n_embd", "d_model"):
-        value = getattr(conf, attr, None)
-        if isinstance(value, int):
-            return value
+    for c in (conf, getattr(conf, "text_config", None)):
+        for attr in ("hidden_size", "n_embd", "d_model"):
+            value = getattr(c, attr, None)
+            if isinstance(value, int):
+                return value
+        sizes = getattr(c, "hidden_sizes", None)
+        if isinstance(sizes, list | tuple) and sizes:
+            return max(sizes)
     return None
 
 

@@ -495,7 +495,9 @@ class _Run:
         if k == 0:
             x = self.data[ins.micro_batch][0]
         else:
-            received = self.inputs[unit]
+            # A copy of what needs a gradient, as DeepSpeed makes: an in-place first layer
+            # (ReLU(inplace=True)) may overwrite it; the received leaf keeps the gradient.
+            received = tuple(t.clone() if t.requires_grad else t for t in self.inputs[unit])
             x = received if len(received) > 1 else received[0]
         if self.train:
             stats = self.e.activation_stats

@@ -8,7 +8,7 @@ model at stages 1-3 (ZeRO-1, Rajbhandari et al. 2020, section 5.1). Where the pa
 (full flat buckets at stages 0-2, per-unit shards at stage 3) is the ``ParamStore``'s business.
 
 The engines and the checkpoint code use this class only through its public methods
-(``set_gradient_sync``, ``finish_backward``, ``step``, ``trains``, ``add_reduced_grad``,
+(``set_gradient_sync``, ``finish_backward``, ``disarm_backward``, ``step``, ``trains``, ``add_reduced_grad``,
 ``bucket_shard(s)`` with the records of :mod:`.holdings`, ``owned_range``, ``owned_grad``,
 ``reload_params``, ``release_gathered``, ``memory_bytes``), never its store, reducer or views.
 """
@@ -287,15 +287,23 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------- the engines' and checkpoint's
     def set_gradient_sync(self, sync: bool) -> None:
-        """Whether the next backward ends an accumulation cycle: its gradients are reduced
-        across data-parallel ranks (stages 0/1 reduce only then; stages 2/3 reduce every
-        micro-step and accumulate the reduced shards)."""
-        self.reducer.sync = sync
+        """Take the next backward passes as this engine's, and whether they end an
+        accumulation cycle: their gradients are reduced across data-parallel ranks (stages
+        0/1 reduce only then; stages 2/3 reduce every micro-step and accumulate the reduced
+        shards). Passes run while not taken leave their gradients in ``param.grad``."""
+        self.reducer.arm(sync)
 
     def finish_backward(self) -> None:
         """Finish the backward pass that just ran: launch the reductions still pending and
-        wait for all of them (at stage 3 this also releases the units gathered for it)."""
+        wait for all of them (at stage 3 this also releases the units gathered for it).
+        Later passes are not taken until the next ``set_gradient_sync``."""
+        self.reducer.armed = False
         self.reducer.wait()
+
+    def disarm_backward(self) -> None:
+        """Take no more backward passes until the next ``set_gradient_sync`` (the engine
+        calls it after each step, and when its backward raised)."""
+        self.reducer.armed = False
 
     def trains(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is one of the parameters this optimizer updates."""
@@ -370,6 +378,7 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """Unscale, clip, update and re-gather; returns False when the step was skipped."""
         self.reducer.wait()
+        self.reducer.check_no_stray()
         grads = [self.reducer.grad_shard(i) for i in range(len(self.buckets))]
         inv_scale = 1.0 / self.loss_scaler.scale
         norm = self._norm(grads) * inv_scale

@@ -16,6 +16,14 @@ backward continues:
 Buckets are launched strictly in index order on every rank, so ranks issue identical
 collective sequences even when parameters are unused or gradients arrive in another order.
 
+Only the backward passes the engine runs are taken (``arm``: ``engine.backward``,
+``engine.scale(loss).backward()``, the pipeline schedule). Several of them before one step
+add up, at every stage, as plain PyTorch gradients do. A pass that reaches these parameters
+while the engine is not armed (another engine's loss, as the generator's loss reaches the
+discriminator in a GAN, or a plain ``loss.backward()``) leaves its gradients in
+``param.grad`` as PyTorch would: ``module.zero_grad()`` drops them, otherwise the engine's
+next backward takes them in, and a step with such gradients still pending is refused.
+
 No buffer is zero-filled per step: the first gradient written into a region is copied, later
 ones added, and regions nobody wrote are zeroed just before they are used. Stage-2 staging
 buffers come from a small pool (at most ``MAX_IN_FLIGHT`` buckets reduce at once), so
@@ -116,6 +124,9 @@ class GradientReducer:
         # gets on_bucket_ready(b) and on_pass_end().
         self.listener = listener
         self.sync = True  # ZeroOptimizer.set_gradient_sync: is this backward a boundary?
+        # True while the engine's own backward may run (see the module docstring).
+        self.armed = False
+        self._stray: dict[nn.Parameter, str] = {}  # gradients a foreign pass left in .grad
         self._device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
         size = (lambda b: b.shard_numel) if policy.partition_grads else (lambda b: b.numel)
         self._accum = [self._empty(size(b)) for b in self.buckets]
@@ -134,8 +145,12 @@ class GradientReducer:
             for i, p in enumerate(b.params):
                 self._where[p] = (b.index, i)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
-        self._reduced = False  # stage 0/1: buffers already all-reduced since the last zero()
         self._reset_pass()
+
+    def arm(self, sync: bool) -> None:
+        """Take the next backward passes (until ``armed`` is cleared); ``sync``: they end
+        an accumulation window, so stage 0/1 all-reduce."""
+        self.armed, self.sync = True, sync
 
     def _empty(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=self.policy.accum_dtype, device=self._device)
@@ -149,6 +164,7 @@ class GradientReducer:
         self._pending: list[_Pending] = []
         self._callback_queued = False
         self._in_pass = False
+        self._foreign_pass = False
 
     def _on_grad(self, param: torch.Tensor) -> None:
         assert isinstance(param, nn.Parameter) and param.grad is not None
@@ -158,12 +174,18 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         self._in_pass = True
-        if self._launched[b_idx] or self._reduced:
+        if not self.armed:  # not this engine's backward: leave the gradient in .grad
+            self._foreign_pass = True
+            self._stray[param] = bucket.names[i]
+            self._note_seen(param, b_idx)
+            return
+        if self._launched[b_idx]:
             raise RuntimeError(
-                f"parameter '{bucket.names[i]}' received a gradient after its bucket was "
-                "already reduced in this step: call engine.backward() once per micro-step "
-                "and engine.step() after each (sum the losses first if you have several)"
+                f"parameter '{bucket.names[i]}' received a second gradient in one backward "
+                "pass after its bucket was reduced (a reentrant autograd call inside the "
+                "pass?): use non-reentrant activation checkpointing"
             )
+        self._stray.pop(param, None)
         buf, written = self._target(b_idx)
         view = bucket.grad_view(buf, i)
         if i in written:
@@ -172,13 +194,16 @@ class GradientReducer:
             view.copy_(param.grad.reshape(-1))
             written.add(i)
         param.grad = None
+        self._note_seen(param, b_idx)
+        if self._communicating and self._missing[b_idx] == 0:
+            self._launch_ready()
+
+    def _note_seen(self, param: nn.Parameter, b_idx: int) -> None:
         if param not in self._seen:
             self._seen.add(param)
             self._missing[b_idx] -= 1
             if self._missing[b_idx] == 0 and self.listener is not None:
                 self.listener.on_bucket_ready(b_idx)
-        if self._communicating and self._missing[b_idx] == 0:
-            self._launch_ready()
 
     @property
     def _communicating(self) -> bool:
@@ -281,6 +306,18 @@ class GradientReducer:
         """Finish the current backward pass: launch leftover buckets in order, wait for all."""
         if not self._in_pass:
             return
+        if self._foreign_pass:
+            self._reset_pass()
+            if self.listener is not None:
+                self.listener.on_pass_end()
+            return
+        # Gradients an earlier foreign pass left on parameters this pass did not reach
+        # join this window, as they would in PyTorch.
+        for param in [p for p in self._stray if p not in self._seen]:
+            if param.grad is None:
+                del self._stray[param]
+            else:
+                self._on_grad(param)
         if self._communicating:
             unused = [
                 f"'{b.names[i]}'"
@@ -295,7 +332,6 @@ class GradientReducer:
                 )
             for b_idx in range(self._next_launch, len(self.buckets)):
                 self._launch(b_idx)
-            self._reduced = not self.policy.partition_grads
         for pending in self._pending:
             self._complete(pending)
         self._reset_pass()
@@ -316,9 +352,30 @@ class GradientReducer:
             return self._accum[b_idx]
         return self._accum[b_idx][bucket.shard_slice(self.dp_rank)]
 
+    def check_no_stray(self) -> None:
+        """Refuse to step while gradients of a foreign pass wait in ``param.grad``.
+
+        They reached these parameters after this engine's last backward (another engine's
+        loss, or a plain ``loss.backward()``); DeepSpeed's stage 0 would step on them
+        unreduced, its stages 1-3 fail, so the user must decide.
+        """
+        self._stray = {p: n for p, n in self._stray.items() if p.grad is not None}
+        stray = sorted(self._stray.values())
+        if stray:
+            raise RuntimeError(
+                f"engine.step(): parameters {', '.join(repr(n) for n in stray[:8])} hold "
+                "gradients from a backward pass this engine did not run (another engine's "
+                "loss reached them, or loss.backward() was called instead of "
+                "engine.backward(loss)) after this engine's last backward. Call "
+                "module.zero_grad() to drop them, or run them through engine.backward()"
+            )
+
     def zero(self) -> None:
-        """Start a new accumulation cycle (no memory is touched)."""
-        self._reduced = False
+        """Start a new accumulation cycle (no buffer memory is touched); gradients a
+        foreign pass left in ``param.grad`` are dropped, as DeepSpeed's zero_grad does."""
+        for param in self._stray:
+            param.grad = None
+        self._stray = {}
         for written in self._accum_written:
             written.clear()
         self._accum_fresh = [True] * len(self.buckets)

@@ -119,7 +119,7 @@ def test_bad_value_is_reported_and_changes_nothing() -> None:
         ("deepspeed", "slipstream"),
         ("deepspeed.ops.adam", "slipstream.ops.adam"),
         ("deepspeed.runtime.zero", "slipstream.zero"),
-        ("deepspeed.runtime.zero.partition_parameters", "slipstream.zero"),
+        ("deepspeed.runtime.zero.partition_parameters", "slipstream.zero.partition_parameters"),
         ("deepspeed.runtime.pipe.module", "slipstream.pipe"),
         ("deepspeed.runtime.zeroX", "slipstream.runtime.zeroX"),
     ],

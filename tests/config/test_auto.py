@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -114,23 +116,43 @@ def test_zero_bucket_sizes_auto_from_hidden_size() -> None:
 
 
 @pytest.mark.parametrize(
-    "key",
+    "key, default",
     [
-        "reduce_bucket_size",
-        "allgather_bucket_size",
-        "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold",
+        ("reduce_bucket_size", 500_000_000),
+        ("allgather_bucket_size", 500_000_000),
+        ("stage3_prefetch_bucket_size", 50_000_000),
+        ("stage3_param_persistence_threshold", 100_000),
+        ("sub_group_size", 1_000_000_000),
     ],
 )
-def test_zero_bucket_auto_without_hidden_size_is_error(key: str) -> None:
-    """Without a hidden size the bucket "auto" is an error naming the key and what is missing."""
+def test_zero_auto_without_hidden_size_is_deepspeeds_default(
+    key: str, default: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a hidden size a ZeRO "auto" takes DeepSpeed 0.19.8's default (its config
+    models drop "auto"), and a log line names the key and the value."""
+    ctx = AutoContext(model_dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger="slipstream"):
+        cfg = parse_config(_cfg(zero_optimization={key: "auto"}), auto=ctx)
+    assert getattr(cfg.zero_optimization, key) == default
+    assert ctx.defaulted == [f"zero_optimization.{key}"]
+    assert f'zero_optimization.{key} = "auto": DeepSpeed\'s default {default}' in caplog.text
+
+
+def test_unknown_zero_key_with_auto_is_still_refused() -> None:
+    """Only keys ZeroConfig knows take a default: a misspelt one is an error naming it."""
     _error(
-        _cfg(zero_optimization={key: "auto"}),
-        f"cannot resolve 'zero_optimization.{key}' = \"auto\"",
-        "config.hidden_size",
-        "set a number of elements instead",
+        _cfg(zero_optimization={"reduce_bucket_sise": "auto"}),
+        "'zero_optimization.reduce_bucket_sise'",
         auto=AutoContext(model_dtype=torch.float32),
     )
+
+
+def test_cuda_visible_devices_is_warned_and_dropped() -> None:
+    """DeepSpeed never reads cuda_visible_devices (three DeepSpeedExamples configs carry it):
+    a warning saying what to use instead, not an unknown-key error."""
+    with pytest.warns(UserWarning, match="'cuda_visible_devices' = 0 is ignored.*--include"):
+        cfg = parse_config(_cfg(cuda_visible_devices=0))
+    assert "cuda_visible_devices" not in cfg.model_dump()
 
 
 def test_zero_short_alias_bucket_auto_resolved() -> None:
@@ -214,7 +236,6 @@ def test_scheduler_lr_auto_without_any_lr_is_error() -> None:
         "scheduler.params.total_num_steps",
         "fp16.loss_scale",
         "zero_optimization.stage",
-        "zero_optimization.overlap_comm",
         "optimizer.type",
     ],
 )
@@ -252,3 +273,15 @@ def test_resolved_is_empty_without_auto() -> None:
     ctx = _full_auto()
     parse_config(EXAMPLES / "zero2_bf16.json", dp_world_size=2, auto=ctx)
     assert ctx.resolved == {}
+
+
+def test_accelerates_infinite_steps_per_print_means_never() -> None:
+    """Accelerate writes steps_per_print = inf to silence DeepSpeed: no step lines."""
+    assert parse_config(_cfg(steps_per_print=float("inf"))).steps_per_print is None
+
+
+def test_config_reads_like_deepspeeds_dict() -> None:
+    """engine.config.get(...) as on DeepSpeed's engine (the HF Trainer reads the stage so)."""
+    cfg = parse_config(_cfg(zero_optimization={"stage": 3}))
+    assert cfg.get("zero_optimization", {}).get("stage") == 3
+    assert cfg.get("no_such_block", "x") == "x"

@@ -4,6 +4,8 @@ and every misuse error. Multi-process parity: test_pipeline_parity.py."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 from typing import Any
 
@@ -14,7 +16,7 @@ from torch import nn
 import slipstream
 from slipstream.config import ConfigError
 from slipstream.models.gpt_pipeline import gpt_loss, gpt_pipeline_layers, load_gpt_weights_
-from slipstream.parallel.pipeline import partition_balanced
+from slipstream.parallel.pipeline import partition_balanced, partition_uniform
 from slipstream.pipe import LayerSpec, PipelineError, PipelineModule
 from tests.parallel import _pipe_workloads as w
 
@@ -27,19 +29,28 @@ def _brute_force(weights: list[float], parts: int) -> float:
     return best
 
 
-def test_partition_balanced_is_optimal() -> None:
-    """The heaviest part is as light as any contiguous cut can make it."""
-    g = torch.Generator().manual_seed(0)
-    for n in range(1, 9):
-        for parts in range(1, n + 1):
-            weights = torch.randint(0, 10, (n,), generator=g).float().tolist()
-            bounds = partition_balanced(weights, parts)
-            assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == parts + 1
-            assert all(a < b for a, b in itertools.pairwise(bounds))  # non-empty
-            heaviest = max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
-            assert heaviest == _brute_force(weights, parts)
+def test_partitions_follow_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's rules: balanced = least spread between the heaviest and lightest run
+    (latest cut on ties), uniform = the first runs one layer longer; DeepSpeed 0.19.8's own
+    functions, when installed, agree on random weights."""
+    assert partition_balanced([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]  # spread 0
+    assert partition_balanced([1, 0, 1], 2) == [0, 2, 3]  # [0, 1, 3] ties: the later cut
+    assert partition_balanced([0, 0, 1, 1], 2) == [0, 3, 4]
+    assert partition_uniform(5, 2) == [0, 3, 5] and partition_uniform(8, 3) == [0, 3, 6, 8]
     with pytest.raises(ValueError, match="cannot cut 2 layers into 3"):
         partition_balanced([1.0, 1.0], 3)
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # import it without probing for a GPU
+    utils = importlib.import_module("deepspeed.runtime.utils")
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 11):
+        for parts in range(1, n + 1):
+            for _ in range(3):
+                weights = torch.randint(0, 6, (n,), generator=g).float().mul(97).tolist()
+                bounds = partition_balanced(weights, parts)
+                assert bounds == list(utils.partition_balanced(weights, parts)), weights
+            assert partition_uniform(n, parts) == list(utils.partition_uniform(n, parts))
 
 
 class _Big(nn.Linear):

@@ -91,23 +91,28 @@ def api_and_errors() -> dict[str, Any]:
     except RuntimeError as e:
         out["no_sync_error"] = str(e)
     engine.destroy()
-    # Stage 1 all-reduces on the boundary; a second backward before step() would be summed
-    # into already-reduced gradients, so it must be refused.
-    engine, _, _, _ = slipstream.initialize(
-        model=_model(),
-        config={
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            "zero_optimization": {"stage": 1},
-        },
-    )
-    engine.backward(engine(x, y))
-    try:
-        engine.backward(engine(x, y))
-        out["double_backward_error"] = None
-    except RuntimeError as e:
-        out["double_backward_error"] = str(e)
-    engine.destroy()
+    # Stage 1 all-reduces on the boundary; a second backward before step() adds to the
+    # reduced gradients, as DeepSpeed's stage 0 and PyTorch do: the same step as one
+    # backward of the summed loss.
+    after = []
+    for twice in (True, False):
+        engine, _, _, _ = slipstream.initialize(
+            model=_model(),
+            config={
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_optimization": {"stage": 1},
+            },
+        )
+        if twice:
+            engine.backward(engine(x, y))
+            engine.backward(engine(y, x))
+        else:
+            engine.backward(engine(x, y) + engine(y, x))
+        engine.step()
+        after.append([p.detach().clone() for p in engine.module.parameters()])
+        engine.destroy()
+    out["double_backward"] = after
     return out
 
 

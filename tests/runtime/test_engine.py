@@ -36,8 +36,8 @@ def test_engine_api_with_client_optimizer_and_scheduler(results):
     assert api["global_steps"] == 2 and api["global_samples"] == 16
     assert api["grad_norm_positive"]
     assert "no_sync() is incompatible with ZeRO stage 2" in api["no_sync_error"]
-    assert "already reduced" in api["double_backward_error"]
-    assert "once per micro-step" in api["double_backward_error"]
+    for twice, summed in zip(*api["double_backward"]):
+        torch.testing.assert_close(twice, summed)
 
 
 def test_hf_transformers_model_trains_with_auto_values(results):

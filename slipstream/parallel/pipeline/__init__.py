@@ -14,6 +14,7 @@ from slipstream.parallel.pipeline.module import (
     PipelineModule,
     TiedLayerSpec,
     partition_balanced,
+    partition_uniform,
 )
 from slipstream.parallel.pipeline.schedule import (
     Instruction,
@@ -36,6 +37,7 @@ __all__ = [
     "Timeline",
     "build_schedule",
     "partition_balanced",
+    "partition_uniform",
     "simulate",
     "theoretical_bubble",
 ]

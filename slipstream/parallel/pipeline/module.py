@@ -26,7 +26,14 @@ from slipstream.distributed.placement import mark_duplicate_
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
 from slipstream.parallel.tensor import TPPlan, add_block_plan
 
-__all__ = ["LayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec", "partition_balanced"]
+__all__ = [
+    "LayerSpec",
+    "PipelineError",
+    "PipelineModule",
+    "TiedLayerSpec",
+    "partition_balanced",
+    "partition_uniform",
+]
 
 
 class PipelineError(RuntimeError):
@@ -86,10 +93,14 @@ class TiedLayerSpec(LayerSpec):
 
 
 def partition_balanced(weights: Sequence[float], parts: int) -> list[int]:
-    """Cut ``weights`` into ``parts`` contiguous non-empty runs minimizing the heaviest run.
+    """Cut ``weights`` into ``parts`` contiguous non-empty runs as DeepSpeed does.
 
-    Ties are broken toward fewer layers in the most loaded run. Returns ``parts + 1``
-    boundaries (``bounds[k]:bounds[k+1]`` is run ``k``). O(parts x n^2), fine for layer lists.
+    DeepSpeed's rule (``partition_method="parameters"`` and ``"type:..."``), so a model gets
+    the same stage boundaries on both: a dynamic program over prefixes that keeps, for the
+    first ``i`` layers in ``j`` runs, the cut minimizing the spread (heaviest run minus
+    lightest run) given the best state of the first ``j - 1`` runs; among equal spreads the
+    latest cut wins. Returns ``parts + 1`` boundaries (``bounds[k]:bounds[k+1]`` is run
+    ``k``). O(parts x n^2), fine for layer lists.
     """
     n = len(weights)
     if parts > n:
@@ -97,33 +108,44 @@ def partition_balanced(weights: Sequence[float], parts: int) -> list[int]:
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    scale = (prefix[-1] + 1.0) * (n + 1)  # weight first, then layer count
-
-    def cost(i: int, j: int) -> float:
-        return (prefix[j] - prefix[i]) * scale + (j - i)
-
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    # For (runs j, layers i): spread, heaviest and lightest run, where run j starts.
+    spread = [[inf] * (n + 1) for _ in range(parts + 1)]
+    heavy = [[inf] * (n + 1) for _ in range(parts + 1)]
+    light = [[inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n - (parts - k) + 1):
-            for i in range(k - 1, j):
-                c = max(best[k - 1][i], cost(i, j))
-                if c < best[k][j]:
-                    best[k][j], cut[k][j] = c, i
+    spread[0][0] = heavy[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, parts) + 1):
+            for k in range(j - 1, i):
+                if spread[j - 1][k] == inf:
+                    continue
+                run = prefix[i] - prefix[k]
+                hi, lo = max(heavy[j - 1][k], run), min(light[j - 1][k], run)
+                if hi - lo <= spread[j][i]:
+                    spread[j][i], heavy[j][i], light[j][i], cut[j][i] = hi - lo, hi, lo, k
     bounds = [n]
-    for k in range(parts, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
+    for j in range(parts, 0, -1):
+        bounds.append(cut[j][bounds[-1]])
     return bounds[::-1]
 
 
+def partition_uniform(num_items: int, parts: int) -> list[int]:
+    """DeepSpeed's ``"uniform"`` cut: ``num_items // parts`` each, the first
+    ``num_items % parts`` runs one more."""
+    if parts > num_items:
+        raise ValueError(f"cannot cut {num_items} layers into {parts} non-empty parts")
+    size, extra = divmod(num_items, parts)
+    return [k * size + min(k, extra) for k in range(parts + 1)]
+
+
 def _numel_on_meta(layer: Any) -> int:
-    if isinstance(layer, nn.Module):
-        return sum(p.numel() for p in layer.parameters())
+    """Trainable parameters of a layer (DeepSpeed counts only those)."""
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):
-            return sum(p.numel() for p in layer.build().parameters())
+            layer = layer.build()
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
     return 0
 
 
@@ -144,9 +166,10 @@ class PipelineModule(nn.Module):
             ``r // (world / num_stages)`` (the ``pp`` axis is outermost in the mesh).
         loss_fn: ``loss_fn(outputs, labels)`` on the last stage; None: the last layer returns
             the loss.
-        partition_method: ``"parameters"`` (balance parameter counts, counted on the meta
-            device), ``"uniform"`` (balance layer counts) or ``"type:<regex>"`` (balance the
-            layers whose class name matches the regex, case-insensitive).
+        partition_method: ``"parameters"`` (balance trainable parameter counts, counted on
+            the meta device), ``"uniform"`` (equal layer counts) or ``"type:<regex>"``
+            (balance the layers whose class name matches the regex, case-insensitive).
+            Each gives DeepSpeed's stage boundaries (:func:`partition_balanced`).
         activation_checkpoint_interval: recompute every run of this many layers in backward
             (``slipstream.checkpointing.checkpoint``); 0 disables.
         virtual_stages: (slipstream) model chunks per rank for the interleaved schedule.
@@ -222,7 +245,7 @@ class PipelineModule(nn.Module):
                 f"x virtual_stages={virtual_stages} = {chunks} model chunks need at least one "
                 "layer each: add layers or use fewer stages"
             )
-        self.parts = partition_balanced(self._layer_weights(partition_method), chunks)
+        self.parts = self._partition(partition_method, chunks)
         self.tied_modules = nn.ModuleDict()
         self._tied_specs: dict[str, TiedLayerSpec] = {}
         self._chunk_fns: list[list[Callable[[Any], Any]]] = []
@@ -260,11 +283,15 @@ class PipelineModule(nn.Module):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
+    def _partition(self, method: str, chunks: int) -> list[int]:
+        """Chunk boundaries, DeepSpeed's for its methods (uniform counts, balanced weights)."""
+        if method.lower() == "uniform":
+            return partition_uniform(len(self.layer_list), chunks)
+        return partition_balanced(self._layer_weights(method), chunks)
+
     def _layer_weights(self, method: str) -> list[float]:
-        if method == "parameters":
+        if method.lower() == "parameters":
             return [float(_numel_on_meta(layer)) for layer in self.layer_list]
-        if method == "uniform":
-            return [1.0] * len(self.layer_list)
         if method.startswith("type:"):
             pattern = re.compile(method[5:], re.IGNORECASE)
             hits = [1.0 if pattern.search(_type_name(x)) else 0.0 for x in self.layer_list]
