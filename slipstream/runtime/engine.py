@@ -19,6 +19,7 @@ from torch import nn
 from slipstream._logging import log_rank0, logger
 from slipstream.accelerator import get_accelerator
 from slipstream.checkpoint.api import PendingSave, finish_save, load_checkpoint, save_checkpoint
+from slipstream.config import ConfigError
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.distributed.timeouts import set_device_sync
@@ -29,6 +30,7 @@ from slipstream.precision import (
 )
 from slipstream.profiling.monitor import MonitorMaster
 from slipstream.runtime._deepspeed_engine import DeepSpeedEngineAttributes
+from slipstream.runtime.compile import compile_module_
 from slipstream.runtime.memory_report import MemoryBreakdown
 from slipstream.runtime.step_profiler import StepProfiler
 from slipstream.runtime.timers import StepTimers
@@ -89,6 +91,7 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
             comm.comm_counters.prof_ops = set(config.comms_logger.prof_ops)
         if config.comms_logger.enabled and device.type != "cpu":
             set_device_sync(get_accelerator().synchronize)  # per-collective times, as DeepSpeed's
+        self._compiled = False
         self._started: float | None = None  # the first forward: the comm summary's time base
         self.memory: MemoryBreakdown | None = (
             MemoryBreakdown(device) if config.memory_breakdown else None
@@ -331,6 +334,37 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             finish_save(self, pending)
+
+    def compile(
+        self,
+        backend: str | Any = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the model's repeated blocks in
+        place (``slipstream.runtime.compile``); a second call is a no-op.
+
+        Raises:
+            ConfigError: a DeepCompile ``schedule`` or ``compiled_autograd_enabled`` (not
+                implemented), or ``backend`` inside ``compile_kwargs``.
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise ConfigError(
+                "engine.compile(schedule=..., compiled_autograd_enabled=True) belongs to "
+                "DeepCompile, which slipstream does not implement; call engine.compile() "
+                "with a backend and compile_kwargs only"
+            )
+        if self._compiled:
+            return
+        what = compile_module_(self.module, backend, compile_kwargs or {})
+        self._compiled = True
+        log_rank0("slipstream: compiled %s with torch.compile (backend=%s)", what, backend)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran."""
+        return self._compiled
 
     @contextmanager
     def gathered_for_generation(self) -> Iterator[nn.Module]:

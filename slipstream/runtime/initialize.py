@@ -415,7 +415,13 @@ def _optimizer_plan(
     build_optimizer(
         opt_cfg.type, opt_cfg.params, [torch.zeros(1, requires_grad=True)]
     )  # validate early
-    return groups, lambda new_groups: build_optimizer(opt_cfg.type, opt_cfg.params, new_groups)
+    # On an accelerator the masters live there or, offloaded, in host memory next to it: both
+    # get the fused kernel, as DeepSpeed's FusedAdam/CPUAdam. CPU-only training keeps torch's
+    # default loop, which the single-process references of the parity tests use too.
+    fused = _device().type != "cpu"
+    return groups, lambda new_groups: build_optimizer(
+        opt_cfg.type, opt_cfg.params, new_groups, prefer_fused=fused
+    )
 
 
 def _scheduler(

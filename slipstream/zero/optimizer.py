@@ -102,6 +102,9 @@ class ZeroOptimizer:
         self.check_overflow = step.check_overflow or step.loss_scaler.enabled
         self.offload_device = step.offload_device
         self.pin_memory = step.pin_memory
+        # Offload: each bucket's host buffers for its gradient and its cast weights.
+        self._host_grads: dict[int, torch.Tensor] = {}
+        self._host_params: dict[int, torch.Tensor] = {}
         self._owned = [store.owned_range(b.index) for b in self.buckets]
         self._where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.masters = [self._make_master(b, master_dtype) for b in self.buckets]
@@ -391,6 +394,10 @@ class ZeroOptimizer:
         coef = inv_scale
         if self.clip > 0 and norm > self.clip:
             coef *= self.clip / (norm + 1e-6)
+        if self.offload_device is not None:
+            self._step_offloaded(grads, coef)
+            self.reducer.zero()
+            return True
         # Bucket by bucket: the all-gather of an updated bucket overlaps the update of the
         # next one (torch optimizers skip tensors whose .grad is None).
         works = []
@@ -417,8 +424,70 @@ class ZeroOptimizer:
         return True
 
     def _publish(self, b: int) -> Any:
-        """Copy bucket ``b``'s updated master into the parameters; start sharing it."""
+        """Copy bucket ``b``'s updated master into the parameters; start sharing it.
+
+        From a page-locked host master the copy is queued (``non_blocking``) and the caller
+        goes on: stream order puts it before the all-gather and before the next step's
+        gradient copies, which the host waits for before it writes this master again."""
         region, master = self.store.owned(b), self.masters[b]
         if master.data_ptr() != region.data_ptr():
-            region.copy_(master)
+            source = master
+            if master.device != region.device and master.dtype != region.dtype:
+                # Cast on the host into a staging buffer, so half the bytes cross the bus
+                # (bf16 weights from fp32 masters) and the copy can run asynchronously.
+                source = self._host_staging(self._host_params, b, region)
+                source.copy_(master)
+            region.copy_(source, non_blocking=True)
         return self.store.publish(b)
+
+    def _step_offloaded(self, grads: list[torch.Tensor], coef: float) -> None:
+        """ZeRO-Offload's step: gradients to host, the update on the CPU, weights back.
+
+        Every bucket's gradient copy is queued first, into page-locked buffers reused from
+        step to step, so the copy engine streams them while the CPU updates the buckets that
+        already arrived; each updated bucket's weights are queued back to the device while
+        the CPU goes on with the next one (Ren et al. 2021, "ZeRO-Offload", section 4.2).
+        """
+        accel = get_accelerator()
+        arrived: list[tuple[torch.Tensor, Any]] = []
+        for b, grad in enumerate(grads):
+            if coef != 1.0:
+                grad.mul_(coef)
+            if grad.device == self.masters[b].device:  # forced CPU offload: nothing to copy
+                arrived.append((grad, None))
+                continue
+            host = self._host_staging(self._host_grads, b, grad)
+            host.copy_(grad, non_blocking=True)
+            event = accel.Event()
+            event.record()
+            arrived.append((host, event))
+        works = []
+        for b, (grad, event) in enumerate(arrived):
+            if event is not None:
+                event.synchronize()
+            lo = self._owned[b][0]
+            for view, (_, e) in zip(self._views[b], self._extents[b]):
+                g = grad[e.at(lo)]
+                view.grad = g if g.dtype == view.dtype else g.to(view.dtype)
+            self.optimizer.step()
+            for view in self._views[b]:
+                view.grad = None
+            works.append(self._publish(b))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def _host_staging(
+        self, buffers: dict[int, torch.Tensor], b: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """Bucket ``b``'s host buffer shaped like ``like`` in ``buffers`` (the gradients
+        coming to the host, or the weights going back): made at the first step, then reused;
+        page-locked with ``pin_memory``, so copies through it run asynchronously. Stream
+        order keeps a reuse from overtaking the copy of the step before."""
+        buf = buffers.get(b)
+        if buf is None or buf.numel() != like.numel() or buf.dtype != like.dtype:
+            buf = torch.empty(like.numel(), dtype=like.dtype, device=self.offload_device)
+            if self.pin_memory:
+                buf = get_accelerator().pin_memory(buf)
+            buffers[b] = buf
+        return buf
