@@ -43,7 +43,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,9 @@ class ModelShape:
 
 
 _MODELS = {
-    # LLaMA-3.2-1B's body with LLaMA-2's vocabulary: 1.1B parameters.
-    "1b": ModelShape(32000, 2048, 16, 32, 8, 8192, 2048, 4),
+    # LLaMA-3.2-1B's body with LLaMA-2's vocabulary: 1.1B parameters. Micro batch 8: on an
+    # H200 it gave every row 3-4 MFU points more than 4 (docs/gpu.md).
+    "1b": ModelShape(32000, 2048, 16, 32, 8, 8192, 2048, 8),
     # 3.0B parameters: the offload rows.
     "3b": ModelShape(32000, 3072, 28, 24, 8, 8192, 2048, 4),
     # The dry run on a CPU.
@@ -135,7 +136,9 @@ def loss_of(kind: str, model: Callable[..., Any], x: torch.Tensor) -> torch.Tens
     """Next-token loss of a batch: the GPT shifts by hand, HF shifts its labels itself."""
     if kind == "gpt":
         return model(x[:, :-1], x[:, 1:])
-    return model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+    # No KV cache in training (HF builds one by default, and its per-layer state makes
+    # torch.compile recompile each block).
+    return model(input_ids=x[:, :-1], labels=x[:, :-1], use_cache=False).loss
 
 
 def flops_per_token(model: nn.Module, shape: ModelShape) -> float:
@@ -359,6 +362,8 @@ def worker(args: argparse.Namespace) -> None:
     _, peak = _peak_tflops(device)
     kind, size = args.model.split("-")
     shape = _MODELS["tiny" if args.dry_run else size]
+    if args.micro_batch and not args.dry_run:
+        shape = replace(shape, micro_batch=args.micro_batch)
     a = RunArgs(kind, shape, device, args.warmup, args.steps, args.backend, peak)
     for name in args.rows:
         if name.startswith("torch"):
@@ -381,6 +386,7 @@ def _launch(
     cmd += ["--rows", *rows, "--json", str(record), "--warmup", str(args.warmup)]
     steps = args.offload_steps if rows[0].endswith("offload") else args.steps
     cmd += ["--steps", str(steps), "--backend", args.backend]
+    cmd += ["--micro-batch", str(args.micro_batch)]
     if args.dry_run:
         cmd.append("--dry-run")
     t0 = time.perf_counter()
@@ -439,6 +445,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per window (3 windows)")
     p.add_argument("--offload-steps", type=int, default=2, help="--steps of the offload rows")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--micro-batch", type=int, default=0, help="override the shapes' micro batch")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per process")
     p.add_argument("--out", default="runs/gpu_train")
     p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU")

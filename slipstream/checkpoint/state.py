@@ -301,6 +301,10 @@ def _restore_optimizer_states(
 ) -> None:
     bucket = shard.bucket
     group_scalars = scalars.get(str(bucket.group_index), {})
+    # torch's placement of scalar states (``step``): on the parameter's device for fused and
+    # capturable kernels, which refuse a CPU step tensor, else on the CPU.
+    group = opt.param_groups[bucket.group_index]
+    on_device = bool(group.get("fused") or group.get("capturable"))
     for piece in shard.pieces:
         i = piece.index
         name = checkpoint_name(bucket.names[i], bucket.params[i])
@@ -317,7 +321,8 @@ def _restore_optimizer_states(
         for key, entry in group_scalars.items():
             value = entry["value"]
             if entry["tensor"]:
-                value = torch.tensor(value, dtype=dtype_from_name(entry["dtype"]))
+                device = piece.view.device if on_device else torch.device("cpu")
+                value = torch.tensor(value, dtype=dtype_from_name(entry["dtype"]), device=device)
             state[key] = value
         if state:
             opt.state[piece.view] = state
