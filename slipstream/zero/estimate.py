@@ -48,10 +48,13 @@ def estimate_memory(
             states live (with ``"cpu"`` the master is always a separate copy).
         offload_param: ``"cpu"`` (stage 3): the parameter shards live in host memory.
     Returns:
-        ``{"params", "grads", "master", "optimizer", "hpz_secondary", "total", "device",
-        "host", "nvme"}`` in bytes (``hpz_secondary`` is also counted in ``params``;
-        ``device + host + nvme == total``). Transient buffers
-        (reduction staging, gathered ZeRO-3 units, activations) are not included.
+        ``{"params", "grads", "master", "optimizer", "hpz_secondary", "host_staging",
+        "total", "device", "host", "nvme"}`` in bytes (``hpz_secondary`` is also counted in
+        ``params``; ``device + host + nvme == total``). ``host_staging`` is what offloading
+        the optimizer to the CPU keeps in host memory besides the states: a gradient buffer
+        in ``grad_dtype`` and, when the weights' dtype differs from the master's, a buffer
+        of weights in their dtype, each the size of the rank's shard (docs/gpu.md). Transient
+        buffers (reduction staging, gathered ZeRO-3 units, activations) are not included.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
@@ -77,7 +80,10 @@ def estimate_memory(
         -(-trainable // hpz_partition_size) * pb if stage == 3 and hpz_partition_size > 1 else 0
     )
     params += secondary
-    total = params + grads + master + optimizer
+    staging = 0
+    if offload_optimizer == "cpu":
+        staging = owned * gb + (owned * pb if pdtype != master_dtype else 0)
+    total = params + grads + master + optimizer + staging
     if offload_param not in (None, "cpu") or (offload_param and stage != 3):
         raise ValueError(f"offload_param must be None or 'cpu' (stage 3), got {offload_param!r}")
     if offload_optimizer not in (None, "cpu", "nvme"):
@@ -85,7 +91,7 @@ def estimate_memory(
             f"offload_optimizer must be None, 'cpu' or 'nvme', got {offload_optimizer!r}"
         )
     states = master + optimizer
-    host = states if offload_optimizer == "cpu" else 0
+    host = states + staging if offload_optimizer == "cpu" else 0
     nvme = states if offload_optimizer == "nvme" else 0
     if offload_param == "cpu":
         host += params - secondary
@@ -95,6 +101,7 @@ def estimate_memory(
         "master": master,
         "optimizer": optimizer,
         "hpz_secondary": secondary,
+        "host_staging": staging,
         "total": total,
         "device": total - host - nvme,
         "host": host,

@@ -276,8 +276,9 @@ class ZeroOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds between steps, by kind, to compare with
         ``zero.estimate_memory``: the parameter storage (the whole bucket at stages 0-2, the
-        shard at stage 3), the gradient accumulators, separate master weights and the
-        optimizer states."""
+        shard at stage 3), the gradient accumulators, separate master weights, the
+        optimizer states and, with the optimizer offloaded from an accelerator, the host
+        buffers its copies go through (made at the first step)."""
         return {
             "params": sum(
                 self.store.held(b.index).numel() * self.store.held(b.index).element_size()
@@ -286,6 +287,10 @@ class ZeroOptimizer:
             "grads": self.reducer.grad_bytes(),
             "master": self.master_bytes(),
             "optimizer": self.state_bytes(),
+            "host_staging": sum(
+                t.numel() * t.element_size()
+                for t in (*self._host_grads.values(), *self._host_params.values())
+            ),
         }
 
     # ------------------------------------------------------- the engines' and checkpoint's

@@ -139,6 +139,11 @@ def test_bf16_offload_casts_on_the_host() -> None:
     assert opt._host_params
     assert all(t.dtype == torch.bfloat16 and t.is_pinned() for t in opt._host_params.values())
     _assert_weights_are_masters(opt, torch.bfloat16)
+    held = opt.memory_bytes()["host_staging"]
+    est = slipstream.zero.estimate_memory(
+        engine.module, 1, 2, param_dtype=torch.bfloat16, offload_optimizer="cpu"
+    )["host_staging"]
+    assert abs(held - est) <= 0.05 * est, (held, est)  # buckets are padded
     engine.destroy()
     base_losses, base_params, base = _train(dict(_config(2), bf16={"enabled": True}), steps=4)
     base.destroy()

@@ -39,3 +39,22 @@ def test_cpu_offload_path_is_exact():
             est = r[stage]["estimate"]
             assert abs(r[stage]["master_bytes"] - est["master"]) <= 0.05 * est["master"]
             assert est["host"] >= est["master"] + est["optimizer"]
+
+
+def test_estimate_counts_the_offload_staging_buffers():
+    """Offloading the optimizer from an accelerator keeps a host gradient buffer per shard
+    (grad dtype) and, for bf16 weights, a host buffer of cast weights."""
+    import torch
+
+    from slipstream.models import GPT, GPTConfig
+    from slipstream.zero import estimate_memory
+
+    model = GPT(GPTConfig.preset("tiny"))
+    shard = -(-sum(p.numel() for p in model.parameters()) // 2)
+    bf16 = estimate_memory(model, 2, 2, param_dtype=torch.bfloat16, offload_optimizer="cpu")
+    assert bf16["host_staging"] == shard * 4 + shard * 2
+    assert bf16["host"] == bf16["master"] + bf16["optimizer"] + bf16["host_staging"]
+    assert bf16["device"] + bf16["host"] + bf16["nvme"] == bf16["total"]
+    assert estimate_memory(model, 2, 2, offload_optimizer="cpu")["host_staging"] == shard * 4
+    assert estimate_memory(model, 2, 2)["host_staging"] == 0
+    assert estimate_memory(model, 2, 2, offload_optimizer="nvme")["host_staging"] == 0
