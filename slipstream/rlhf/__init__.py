@@ -15,6 +15,7 @@ from slipstream.rlhf.advantages import (
     kl_shaped_rewards,
     rloo_advantages,
 )
+from slipstream.rlhf.hybrid import GenerationStats, HybridEngine, enable_hybrid_engine_
 from slipstream.rlhf.losses import (
     DPOOutput,
     RewardModelOutput,
@@ -27,9 +28,12 @@ from slipstream.rlhf.losses import (
 
 __all__ = [
     "DPOOutput",
+    "GenerationStats",
+    "HybridEngine",
     "RewardModelOutput",
     "dpo_loss",
     "ema_update_",
+    "enable_hybrid_engine_",
     "gae_advantages_and_returns",
     "grpo_advantages",
     "k3_kl",
