@@ -15,6 +15,7 @@ from slipstream.rlhf.advantages import (
     kl_shaped_rewards,
     rloo_advantages,
 )
+from slipstream.rlhf.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer, completion_mask
 from slipstream.rlhf.hybrid import GenerationStats, HybridEngine, enable_hybrid_engine_
 from slipstream.rlhf.losses import (
     DPOOutput,
@@ -28,9 +29,13 @@ from slipstream.rlhf.losses import (
 
 __all__ = [
     "DPOOutput",
+    "GRPOConfig",
+    "GRPOMetrics",
+    "GRPOTrainer",
     "GenerationStats",
     "HybridEngine",
     "RewardModelOutput",
+    "completion_mask",
     "dpo_loss",
     "ema_update_",
     "enable_hybrid_engine_",
