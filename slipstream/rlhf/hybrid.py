@@ -105,7 +105,9 @@ class HybridEngine:
         self.stats.generate_seconds += decoded
         self.stats.gather_seconds += time.perf_counter() - started - decoded
         self.stats.new_tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
-        return out
+        # The decode loop runs under inference_mode; its output could not enter the training
+        # forward that follows (autograd refuses inference tensors), so hand out a copy.
+        return out.clone()
 
     def _all_done(self) -> Callable[[bool], bool] | None:
         """Unpinned ZeRO-3: every forward is a collective, so the ranks agree each step."""

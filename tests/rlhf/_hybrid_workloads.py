@@ -105,6 +105,9 @@ def generation_checks(stage: int) -> dict[str, Any]:
     out["unpinned_gathers"] = all_gathers() - before
     engine.train()
     out["shards_after"] = shard_state(engine)
+    seqs = out["pinned"]  # generated ids feed the training forward (not inference tensors)
+    engine.backward(engine(input_ids=seqs, labels=seqs).loss)
+    engine.step()
     out["stats"] = engine.hybrid_engine.stats
     return out
 
