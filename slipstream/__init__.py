@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipstream import accelerator, checkpointing, comm, ops, pipe, utils, zero
+from slipstream import accelerator, checkpointing, comm, ops, pipe, rlhf, utils, zero
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import init_distributed
 from slipstream.config import ConfigError, SlipstreamConfig
@@ -59,6 +59,7 @@ __all__ = [
     "logger",
     "ops",
     "pipe",
+    "rlhf",
     "utils",
     "zero",
 ]

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from slipstream.config._base import StrictModel
 from slipstream.config.autotuning import AutotuningConfig
+from slipstream.config.hybrid import HybridEngineConfig
 from slipstream.config.monitor import (
     CometConfig,
     CSVMonitorConfig,
@@ -95,7 +96,6 @@ GRADIENT_CLIPPING_DEFAULT = 1.0
 # land. A block whose "enabled" is false (or a trivial value) is accepted; anything else is an
 # error saying so, never a silent drop.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "hybrid_engine": "the RLHF hybrid engine is not implemented yet",
     "amp": "Apex AMP is not supported; use bf16 or fp16",
     "torch_autocast": "torch_autocast is not implemented yet; use bf16 or fp16",
     "compile": "DeepCompile options are not implemented yet",
@@ -198,6 +198,8 @@ class SlipstreamConfig(StrictModel):
     """Tensor parallelism (AutoTP)."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline schedule for a ``PipelineModule`` model."""
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """DeepSpeed-Chat's hybrid engine: ``engine.generate`` on a ZeRO actor (``slipstream.rlhf``)."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )

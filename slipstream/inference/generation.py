@@ -13,7 +13,7 @@ measurement that picked the default.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -76,11 +76,18 @@ def decode_steps(
     *,
     cache: hf.CacheKind = "dynamic",
     finished: FinishedRows = "drop",
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield each step's new tokens ``[batch]`` (the pad token for finished rows).
 
     Stops after ``req.max_new_tokens`` steps or when every row has ended (EOS, after at
     least ``min_new_tokens``, or a stop string).
+
+    ``all_done`` keeps processes in lock-step when every model call is a collective (ZeRO-3
+    gathering layers as they run): it is called once per step on every process with whether
+    this one has finished, and returns whether every process has. A finished process keeps
+    making one throw-away model call per step (:func:`_keep_pace`) until all have, so every
+    process makes the same number of model calls.
     """
     rows = _Rows(req)
     prompt_len = req.input_ids.shape[1]
@@ -108,7 +115,11 @@ def decode_steps(
         rows.finish(live[ended])
         yield rows.out[:, rows.length - 1]
         if bool(rows.done.all()) or step == req.max_new_tokens - 1:
+            if all_done is not None:
+                _keep_pace(model, req, all_done)
             return
+        if all_done is not None:
+            all_done(False)
         if finished == "drop" and bool(ended.any()):
             keep = (~ended).nonzero().squeeze(1)
             hf.select_rows(kv, keep)
@@ -118,6 +129,15 @@ def decode_steps(
             model, tokens.unsqueeze(1), rows.mask[live, : rows.length], next_pos, kv
         )
         next_pos = next_pos + 1
+
+
+def _keep_pace(model: nn.Module, req: GenerationRequest, all_done: Callable[[bool], bool]) -> None:
+    """Make one throw-away model call (a 1-token forward, fresh cache) per step until every
+    process reports it has finished (``all_done``)."""
+    ids = req.input_ids[:, -1:]
+    ones, zeros = torch.ones_like(ids), torch.zeros_like(ids)
+    while not all_done(True):
+        hf.last_logits(model, ids, ones, zeros, hf.make_cache(model, "dynamic", 1))
 
 
 def _prepare(
@@ -141,6 +161,7 @@ def generate(
     max_out_tokens: int | None = None,
     cache: hf.CacheKind = "dynamic",
     finished: FinishedRows = "drop",
+    all_done: Callable[[bool], bool] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Hugging Face ``model.generate`` semantics: ``[batch, prompt + new]`` token ids.
@@ -151,6 +172,7 @@ def generate(
     ``tokenizer``, ``num_return_sequences``, ``streamer``) plus ``ignore_eos`` and
     ``seed`` / ``generator`` for reproducible sampling. Rows that end early are padded with
     ``pad_token_id``; the result is as long as the longest row (HF does the same).
+    ``all_done`` keeps processes in lock-step (see :func:`decode_steps`).
 
     Raises:
         ConfigError: before any model work, for every invalid request (see ``request.py``).
@@ -159,7 +181,7 @@ def generate(
     if req.streamer is not None:
         req.streamer.put(req.input_ids.cpu())
     steps = [req.input_ids]
-    for step_tokens in decode_steps(model, req, cache=cache, finished=finished):
+    for step_tokens in decode_steps(model, req, cache=cache, finished=finished, all_done=all_done):
         steps.append(step_tokens.unsqueeze(1).clone())
         if req.streamer is not None:
             req.streamer.put(step_tokens.cpu())

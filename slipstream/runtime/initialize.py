@@ -32,6 +32,7 @@ from slipstream.parallel.pipeline import PipelineModule
 from slipstream.precision import LossScaler, PrecisionPolicy
 from slipstream.runtime._foreign import refuse_real_deepspeed
 from slipstream.runtime.engine import Engine
+from slipstream.runtime.extensions import apply_engine_extensions
 from slipstream.runtime.parallelize import axis_group, parallelize_
 from slipstream.runtime.pipeline_engine import PipelineEngine
 from slipstream.zero import StepPolicy, ZeroOptimizer, estimate_memory, shard_zero_
@@ -159,6 +160,7 @@ def initialize(
         )
     engine = _engine_class(model)(model, zero_opt, scheduler, cfg, mesh, device)
     engine.training_dataloader = loader
+    apply_engine_extensions(engine)  # e.g. the hybrid engine (slipstream.rlhf)
     if engine.memory is not None:
         engine.memory.estimator = _memory_estimator(model, cfg, policy, comm.get_world_size(group))
     log_rank0(

@@ -1,0 +1,192 @@
+"""The hybrid engine: generation on a ZeRO training engine (DeepSpeed-Chat's DeepSpeed-HE).
+
+Yao et al. 2023 (arXiv 2308.01320, section 5): RLHF's actor alternates between training
+(ZeRO-sharded) and generating answers (hundreds of sequential decode steps). Gathering each
+ZeRO-3 layer for every token makes generation bound by all-gathers; the hybrid engine gathers
+the parameters once per ``generate`` call, runs slipstream's KV-cache decode loop
+(:mod:`slipstream.inference.generation`) on the gathered model, and releases them when the
+call returns, so the training layout (each rank holding its 1/N shard, optimizer state as it
+was) is back before ``engine.train()``.
+
+``pin_parameters: false`` keeps ZeRO-3's per-layer gathering (one layer's memory, every
+token re-gathers every layer); the ranks then step in lock-step (finished ranks make
+throw-away model calls) because every forward is a collective.
+
+It is attached by ``slipstream.initialize`` when the config's ``hybrid_engine.enabled`` is
+true (an engine extension, :mod:`slipstream.runtime.extensions`): ``engine.generate`` and,
+as DeepSpeed-Chat's PPO trainer calls it, ``engine.module.generate`` run through it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.config import ConfigError
+from slipstream.config.hybrid import HybridEngineConfig
+from slipstream.distributed import comm
+from slipstream.inference import generation, hf
+from slipstream.runtime.engine import Engine
+from slipstream.runtime.extensions import register_engine_extension
+from slipstream.zero import gathered_model
+from slipstream.zero.sharded_store import unit_owner
+
+__all__ = ["GenerationStats", "HybridEngine", "enable_hybrid_engine_"]
+
+# Hugging Face ``generate`` arguments the hybrid engine consumes itself.
+_SYNC_ARGS = ("synced_gpus",)
+
+
+@dataclass
+class GenerationStats:
+    """Time and calls of the hybrid engine, summed since the engine was built.
+
+    Attributes:
+        calls: ``generate`` calls.
+        gather_seconds: time gathering parameters before and releasing them after the decode
+            loop (pinned ZeRO-3; about 0 otherwise).
+        generate_seconds: time in the decode loop (per-layer gathers included when unpinned).
+        new_tokens: generated columns summed over calls (times the batch rows).
+    """
+
+    calls: int = 0
+    gather_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    new_tokens: int = 0
+
+
+class HybridEngine:
+    """``generate`` for a training :class:`~slipstream.runtime.engine.Engine`.
+
+    Args:
+        engine: the training engine (its module must be a Hugging Face causal LM).
+        config: the ``hybrid_engine`` block.
+    """
+
+    def __init__(self, engine: Engine, config: HybridEngineConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.stats = GenerationStats()
+        self._sync_group = _zero3_group(engine.module)
+
+    @property
+    def zero3(self) -> bool:
+        """Whether the module's parameters are ZeRO-3 partitioned."""
+        return self._sync_group is not False
+
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Hugging Face ``generate`` semantics: ``[batch, prompt + new]`` token ids.
+
+        Takes the arguments of :func:`slipstream.inference.generate` (HF's names); the first
+        positional argument (or ``inputs=``) is ``input_ids``; ``synced_gpus`` is accepted
+        and not needed. Every rank of a ZeRO-3 engine must call it (each with its own
+        prompts). A prompt plus new tokens longer than ``hybrid_engine.max_out_tokens`` is
+        refused before any work.
+        """
+        kwargs = _input_ids_kwargs(args, kwargs)
+        pinned = self.zero3 and self.config.pin_parameters
+        started = time.perf_counter()
+        with gathered_model(self.engine.module) if pinned else nullcontext():
+            decode_started = time.perf_counter()
+            out = generation.generate(
+                self.engine.module,
+                max_out_tokens=self.config.max_out_tokens,
+                all_done=self._all_done(),
+                **kwargs,
+            )
+            decoded = time.perf_counter() - decode_started
+        self.stats.calls += 1
+        self.stats.generate_seconds += decoded
+        self.stats.gather_seconds += time.perf_counter() - started - decoded
+        self.stats.new_tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
+        # The decode loop runs under inference_mode; its output could not enter the training
+        # forward that follows (autograd refuses inference tensors), so hand out a copy.
+        return out.clone()
+
+    def _all_done(self) -> Callable[[bool], bool] | None:
+        """Unpinned ZeRO-3: every forward is a collective, so the ranks agree each step."""
+        if not self.zero3 or self.config.pin_parameters:
+            return None
+        group = self._sync_group
+
+        def all_done(done: bool) -> bool:
+            flag = torch.tensor([0.0 if done else 1.0])
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=group, label="hybrid_sync")
+            return bool(flag.item() == 0.0)
+
+        return all_done
+
+
+def _input_ids_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    if len(args) > 1:
+        raise ConfigError(
+            "generate takes the prompt ids as its only positional argument; pass the rest "
+            "by keyword (attention_mask=..., max_new_tokens=...)"
+        )
+    kwargs = {k: v for k, v in kwargs.items() if k not in _SYNC_ARGS}
+    if "inputs" in kwargs:
+        kwargs["input_ids"] = kwargs.pop("inputs")
+    if args:
+        if "input_ids" in kwargs:
+            raise ConfigError("generate: input_ids given both by position and by keyword")
+        kwargs["input_ids"] = args[0]
+    if not isinstance(kwargs.get("input_ids"), torch.Tensor):
+        raise ConfigError("generate: input_ids (a [batch, prompt] LongTensor) is required")
+    return kwargs
+
+
+def _zero3_group(module: nn.Module) -> Any:
+    """The data-parallel group ZeRO-3 gathers ``module``'s parameters over, or False when no
+    parameter is partitioned."""
+    for p in module.parameters():
+        owner = unit_owner(p)
+        if owner is not None:
+            return owner.store.group if owner.store.partitioned else False
+    return False
+
+
+def _check_supported(engine: Engine) -> None:
+    """Refuse, before training starts, what the hybrid engine cannot serve."""
+    module, cfg = engine.module, engine.config
+    if not hf.is_hf_causal_lm(module):
+        raise ConfigError(
+            f"hybrid_engine.enabled is true but the model is a {type(module).__name__}, not a "
+            "causal language model the generation path can drive (a Hugging Face model with "
+            "can_generate(): LlamaForCausalLM, GPT2LMHeadModel, ...); set hybrid_engine.enabled "
+            "to false for this model"
+        )
+    if cfg.tensor_parallel.autotp_size > 1 or cfg.sequence_parallel_size > 1:
+        raise ConfigError(
+            "hybrid_engine.enabled with tensor_parallel.autotp_size="
+            f"{cfg.tensor_parallel.autotp_size} / sequence_parallel_size="
+            f"{cfg.sequence_parallel_size}: generation runs data-parallel only (every rank its "
+            "own prompts); use ZeRO (any stage) without tensor or sequence parallelism"
+        )
+
+
+def enable_hybrid_engine_(engine: Engine) -> HybridEngine:
+    """Give ``engine`` (and its module) the hybrid engine's ``generate``, in place.
+
+    Sets ``engine.hybrid_engine`` (the :class:`HybridEngine`, with its ``stats``),
+    ``engine.generate`` and ``engine.module.generate``.
+
+    Raises:
+        ConfigError: a model that is not a causal LM, or tensor/sequence parallelism.
+    """
+    _check_supported(engine)
+    hybrid = HybridEngine(engine, engine.config.hybrid_engine)
+    # Plain attributes (nn.Module.__setattr__ stores non-module values in __dict__), so
+    # DeepSpeed-Chat's ``actor.module.generate(...)`` reaches the hybrid path too.
+    object.__setattr__(engine, "hybrid_engine", hybrid)
+    object.__setattr__(engine, "generate", hybrid.generate)
+    object.__setattr__(engine.module, "generate", hybrid.generate)
+    return hybrid
+
+
+register_engine_extension("hybrid_engine", enable_hybrid_engine_)

@@ -1,0 +1,165 @@
+"""Per-rank bodies of the hybrid-engine tests (run on 2 gloo ranks by tests/rlhf)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+EOS, PAD, VOCAB = 5, 0, 96
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def config(stage: int, pin: bool = True) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 40, "pin_parameters": pin},
+    }
+
+
+def prompts(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts, different on each rank (ranks generate their own)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    lengths = [5, 3 + rank]
+    ids = torch.full((2, 5), PAD)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:] = torch.randint(EOS + 1, VOCAB, (n,), generator=g)
+        mask[i, -n:] = 1
+    return ids, mask
+
+
+def all_gathers() -> int:
+    from slipstream.distributed import comm
+
+    return sum(e.calls for (_, op), e in comm.comm_counters.stats.items() if op == "all_gather")
+
+
+def shard_state(engine: Any) -> list[int]:
+    """Bytes of every partitioned parameter's storage this rank holds right now."""
+    from slipstream.zero.sharded_store import unit_owner
+
+    return [p.numel() for p in engine.module.parameters() if unit_owner(p) is not None]
+
+
+def train_step(engine: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(EOS + 1, VOCAB, (2, 9), generator=g)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def full_params(engine: Any) -> dict[str, torch.Tensor]:
+    import slipstream
+
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def generation_checks(stage: int) -> dict[str, Any]:
+    """ZeRO-``stage`` hybrid generation vs the unsharded model; gather counts; shards after."""
+    import slipstream
+    from slipstream.distributed import comm
+    from slipstream.inference import generate
+    from slipstream.rlhf import HybridEngine
+
+    rank = comm.get_rank()
+    model = tiny_llama()
+    reference = copy.deepcopy(model).eval()
+    engine, *_ = slipstream.initialize(model=model, config=config(stage))
+    ids, mask = prompts(rank)
+    new = 6 + 4 * rank  # different lengths per rank
+    want = generate(reference, input_ids=ids, attention_mask=mask, max_new_tokens=new)
+    hf_want = reference.generate(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD
+    )
+    out: dict[str, Any] = {"want": want, "hf_want": hf_want, "shards_before": shard_state(engine)}
+    engine.eval()
+    before = all_gathers()
+    out["pinned"] = engine.generate(ids, attention_mask=mask, max_new_tokens=new)
+    out["pinned_gathers"] = all_gathers() - before
+    out["module_generate"] = engine.module.generate(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, synced_gpus=True
+    )
+    unpinned_cfg = engine.config.hybrid_engine.model_copy(update={"pin_parameters": False})
+    unpinned = HybridEngine(engine, unpinned_cfg)
+    before = all_gathers()
+    out["unpinned"] = unpinned.generate(ids, attention_mask=mask, max_new_tokens=new)
+    out["unpinned_gathers"] = all_gathers() - before
+    engine.train()
+    out["shards_after"] = shard_state(engine)
+    seqs = out["pinned"]  # generated ids feed the training forward (not inference tensors)
+    engine.backward(engine(input_ids=seqs, labels=seqs).loss)
+    engine.step()
+    out["stats"] = engine.hybrid_engine.stats
+    return out
+
+
+def round_trip_checks(stage: int) -> dict[str, Any]:
+    """A training step after 5 generate/train cycles equals one without them."""
+    import slipstream
+    from slipstream.distributed import comm
+
+    rank = comm.get_rank()
+    plain, *_ = slipstream.initialize(model=tiny_llama(), config=config(stage))
+    cycled, *_ = slipstream.initialize(model=tiny_llama(), config=config(stage))
+    train_step(plain, 1)
+    train_step(cycled, 1)
+    ids, mask = prompts(rank)
+    layouts = []
+    for i in range(5):
+        cycled.eval()
+        cycled.generate(ids, attention_mask=mask, max_new_tokens=4 + i)
+        cycled.train()
+        layouts.append(shard_state(cycled))
+    train_step(plain, 2)
+    train_step(cycled, 2)
+    return {
+        "plain": full_params(plain),
+        "cycled": full_params(cycled),
+        "layouts": layouts,
+        "reference_layout": shard_state(plain),
+    }
+
+
+def refusals() -> dict[str, str]:
+    """initialize refuses, on every rank and before training, what the engine cannot serve."""
+    import slipstream
+
+    errors = {}
+    cases = {
+        "not_causal": (nn.Linear(4, 4), config(3)),
+        "tp": (tiny_llama(), {**config(1), "tensor_parallel": {"autotp_size": 2}}),
+    }
+    for name, (model, cfg) in cases.items():
+        try:
+            slipstream.initialize(model=model, config=cfg)
+        except slipstream.ConfigError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def all_checks() -> dict[str, Any]:
+    return {
+        "refusals": refusals(),
+        "gen3": generation_checks(3),
+        "gen2": generation_checks(2),
+        "trip3": round_trip_checks(3),
+    }
