@@ -14,19 +14,81 @@ measurement that picked the default.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from slipstream.config._errors import ConfigError
-from slipstream.inference import hf
+from slipstream.inference import gpt, hf
 from slipstream.inference.request import GenerationRequest, build_request
 from slipstream.inference.sampling import next_tokens
+from slipstream.models.gpt import GPT
 
-__all__ = ["FinishedRows", "decode_steps", "generate", "stream"]
+__all__ = [
+    "FinishedRows",
+    "ModelDriver",
+    "RankSync",
+    "decode_steps",
+    "driver_for",
+    "generate",
+    "stream",
+]
 
 FinishedRows = Literal["drop", "mask"]
+
+
+@dataclass(frozen=True)
+class ModelDriver:
+    """What the decode loop needs from one kind of model (``hf.py``, ``gpt.py``)."""
+
+    last_logits: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+    """Run a chunk against the cache; the last position's logits ``[b, vocab]``."""
+    make_cache: Callable[[nn.Module, Any, int], Any]
+    select_rows: Callable[[Any, torch.Tensor], None]
+    context_length: Callable[[nn.Module], int | None]
+
+
+_HF = ModelDriver(hf.last_logits, hf.make_cache, hf.select_rows, hf.context_length)
+_GPT = ModelDriver(gpt.last_logits, gpt.make_cache, gpt.select_rows, gpt.context_length)
+
+
+def driver_for(model: nn.Module) -> ModelDriver:
+    """The driver of ``model``: slipstream's GPT or a Hugging Face causal LM.
+
+    Raises:
+        ConfigError: neither (no KV-cache forward slipstream knows how to drive).
+    """
+    if isinstance(model, GPT):
+        gpt.check_generation_ready(model)
+        return _GPT
+    if hf.is_hf_causal_lm(model):
+        return _HF
+    raise ConfigError(
+        f"generate: {type(model).__name__} is neither slipstream's GPT nor a Hugging Face "
+        "causal LM (no can_generate()/config); slipstream's generation path drives those "
+        "(GPT, LlamaForCausalLM, GPT2LMHeadModel, ...) through their KV cache"
+    )
+
+
+class RankSync:
+    """Keeps the tensor-parallel ranks of one model generating the same tokens.
+
+    ``request`` runs once before the prompt reaches the model (every rank must ask for the
+    same thing, and sampling must draw from the same RNG stream); ``tokens`` runs on every
+    step's chosen tokens. The default does nothing (one process);
+    ``slipstream.inference.parallel`` has the tensor-parallel one.
+    """
+
+    def request(self, req: GenerationRequest) -> GenerationRequest:
+        return req
+
+    def tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+
+_ALONE = RankSync()
 
 
 class _Rows:
@@ -77,11 +139,14 @@ def decode_steps(
     cache: hf.CacheKind = "dynamic",
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
+    driver: ModelDriver | None = None,
+    sync: RankSync = _ALONE,
 ) -> Iterator[torch.Tensor]:
     """Yield each step's new tokens ``[batch]`` (the pad token for finished rows).
 
     Stops after ``req.max_new_tokens`` steps or when every row has ended (EOS, after at
-    least ``min_new_tokens``, or a stop string).
+    least ``min_new_tokens``, or a stop string). ``driver`` defaults to ``driver_for(model)``;
+    ``sync`` makes tensor-parallel ranks agree on each step's tokens.
 
     ``all_done`` keeps processes in lock-step when every model call is a collective (ZeRO-3
     gathering layers as they run): it is called once per step on every process with whether
@@ -89,12 +154,13 @@ def decode_steps(
     making one throw-away model call per step (:func:`_keep_pace`) until all have, so every
     process makes the same number of model calls.
     """
+    run = driver if driver is not None else driver_for(model)
     rows = _Rows(req)
     prompt_len = req.input_ids.shape[1]
-    kv = hf.make_cache(model, cache, prompt_len + req.max_new_tokens)
+    kv = run.make_cache(model, cache, prompt_len + req.max_new_tokens)
     banned = torch.tensor(req.eos_token_ids, dtype=torch.long, device=req.input_ids.device)
     positions = (req.attention_mask.cumsum(1) - 1).clamp(min=0)
-    logits = hf.last_logits(model, req.input_ids, req.attention_mask, positions, kv)
+    logits = run.last_logits(model, req.input_ids, req.attention_mask, positions, kv)
     next_pos = positions[:, -1:] + 1
     for step in range(req.max_new_tokens):
         live = rows.live
@@ -106,6 +172,7 @@ def decode_steps(
             banned=banned if step < req.min_new_tokens else None,
             generator=req.generator,
         )
+        tokens = sync.tokens(tokens)
         if finished == "mask":
             tokens = torch.where(rows.done[live], req.pad_token_id, tokens)
         rows.out[live, rows.length] = tokens
@@ -116,42 +183,40 @@ def decode_steps(
         yield rows.out[:, rows.length - 1]
         if bool(rows.done.all()) or step == req.max_new_tokens - 1:
             if all_done is not None:
-                _keep_pace(model, req, all_done)
+                _keep_pace(model, req, all_done, run)
             return
         if all_done is not None:
             all_done(False)
         if finished == "drop" and bool(ended.any()):
             keep = (~ended).nonzero().squeeze(1)
-            hf.select_rows(kv, keep)
+            run.select_rows(kv, keep)
             rows.live, tokens, next_pos = live[keep], tokens[keep], next_pos[keep]
         live = rows.live
-        logits = hf.last_logits(
+        logits = run.last_logits(
             model, tokens.unsqueeze(1), rows.mask[live, : rows.length], next_pos, kv
         )
         next_pos = next_pos + 1
 
 
-def _keep_pace(model: nn.Module, req: GenerationRequest, all_done: Callable[[bool], bool]) -> None:
+def _keep_pace(
+    model: nn.Module, req: GenerationRequest, all_done: Callable[[bool], bool], run: ModelDriver
+) -> None:
     """Make one throw-away model call (a 1-token forward, fresh cache) per step until every
     process reports it has finished (``all_done``)."""
     ids = req.input_ids[:, -1:]
     ones, zeros = torch.ones_like(ids), torch.zeros_like(ids)
     while not all_done(True):
-        hf.last_logits(model, ids, ones, zeros, hf.make_cache(model, "dynamic", 1))
+        run.last_logits(model, ids, ones, zeros, run.make_cache(model, "dynamic", 1))
 
 
 def _prepare(
-    model: nn.Module, kwargs: dict[str, Any], max_out_tokens: int | None
-) -> GenerationRequest:
-    if not hf.is_hf_causal_lm(model):
-        raise ConfigError(
-            f"generate: {type(model).__name__} is not a Hugging Face causal LM (no "
-            "can_generate()/config); slipstream's generation path drives transformers models "
-            "(LlamaForCausalLM, GPT2LMHeadModel, ...) through their KV cache"
-        )
-    return build_request(
-        model, kwargs, max_out_tokens=max_out_tokens, context=hf.context_length(model)
+    model: nn.Module, kwargs: dict[str, Any], max_out_tokens: int | None, sync: RankSync
+) -> tuple[ModelDriver, GenerationRequest]:
+    run = driver_for(model)
+    req = build_request(
+        model, kwargs, max_out_tokens=max_out_tokens, context=run.context_length(model)
     )
+    return run, sync.request(req)
 
 
 @torch.inference_mode()
@@ -162,6 +227,7 @@ def generate(
     cache: hf.CacheKind = "dynamic",
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
+    sync: RankSync = _ALONE,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Hugging Face ``model.generate`` semantics: ``[batch, prompt + new]`` token ids.
@@ -177,11 +243,13 @@ def generate(
     Raises:
         ConfigError: before any model work, for every invalid request (see ``request.py``).
     """
-    req = _prepare(model, kwargs, max_out_tokens)
+    run, req = _prepare(model, kwargs, max_out_tokens, sync)
     if req.streamer is not None:
         req.streamer.put(req.input_ids.cpu())
     steps = [req.input_ids]
-    for step_tokens in decode_steps(model, req, cache=cache, finished=finished, all_done=all_done):
+    for step_tokens in decode_steps(
+        model, req, cache=cache, finished=finished, all_done=all_done, driver=run, sync=sync
+    ):
         steps.append(step_tokens.unsqueeze(1).clone())
         if req.streamer is not None:
             req.streamer.put(step_tokens.cpu())
@@ -196,6 +264,7 @@ def stream(
     max_out_tokens: int | None = None,
     cache: hf.CacheKind = "dynamic",
     finished: FinishedRows = "drop",
+    sync: RankSync = _ALONE,
     **kwargs: Any,
 ) -> Iterator[torch.Tensor]:
     """Like :func:`generate`, but yield each step's tokens ``[batch]`` as they are produced.
@@ -203,11 +272,13 @@ def stream(
     The arguments are validated when this is called, before the first token is asked for.
     Concatenating the yielded tensors gives ``generate(...)[:, prompt_len:]``.
     """
-    req = _prepare(model, kwargs, max_out_tokens)
+    run, req = _prepare(model, kwargs, max_out_tokens, sync)
 
     def steps() -> Iterator[torch.Tensor]:
         with torch.inference_mode():
-            for tokens in decode_steps(model, req, cache=cache, finished=finished):
+            for tokens in decode_steps(
+                model, req, cache=cache, finished=finished, driver=run, sync=sync
+            ):
                 yield tokens.clone()
 
     return steps()

@@ -37,7 +37,9 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
+from slipstream.models.gpt_generation import cached_attention, forward_for_generation
 from slipstream.models.gpt_plans import gpt_sp_plan, gpt_tp_plan
+from slipstream.models.kv_cache import KVCache, LayerKV
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
 from slipstream.parallel.tensor import TPPlan
 from slipstream.sequence import SPPlan
@@ -265,6 +267,9 @@ class LMOutput(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads and rotary embeddings."""
 
+    takes_kv_cache = True
+    """Whether ``forward`` takes generation's ``mask`` and ``kv`` (a subclass may not)."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -277,7 +282,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.core: nn.Module = CausalAttention(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        kv: LayerKV | None = None,
+    ) -> torch.Tensor:
+        """Attend ``x [B, T, hidden]``: causally through ``core`` (training), or, given
+        generation's ``mask``/``kv``, against this layer's KV cache (``gpt_generation.py``)."""
         # Head counts come from the weights, not the config, so a tensor-parallel plan that
         # shards q/k/v by output rows keeps working with the local number of heads; the
         # length too (Megatron-SP: x holds a slice of the sequence, q/k/v all of it).
@@ -287,7 +301,12 @@ class Attention(nn.Module):
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        return self.o_proj(self.core(q, k, v).reshape(b, t, -1))
+        if mask is None and kv is None:
+            y = self.core(q, k, v)
+        else:
+            dropout = getattr(self.core, "dropout", 0.0) if self.training else 0.0
+            y = cached_attention(q, k, v, mask, kv, dropout)
+        return self.o_proj(y.reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -315,8 +334,17 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        kv: LayerKV | None = None,
+    ) -> torch.Tensor:
+        # Generation's arguments only when given: a swapped-in attention may take 3 alone.
+        extra = () if mask is None and kv is None else (mask, kv)
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, *extra))
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -433,13 +461,26 @@ class GPT(nn.Module):
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
         """Run the model.
 
         Args:
             input_ids: token ids, int64 [B, T] with T <= ``config.max_seq_len``.
             labels: optional targets aligned with ``input_ids`` (position t is predicted
                 from ``input_ids[:, : t + 1]``); -100 marks positions to ignore.
+            attention_mask, position_ids, kv_cache, logits_to_keep: generation's inputs
+                (``slipstream.models.gpt_generation``): ``[B, past + T]`` with 0 for left
+                padding, per-row RoPE positions ``[B, T]``, a ``KVCache`` holding ``past``
+                positions (appended to), the number of last positions given logits (0: all).
 
         Returns:
             Mean cross-entropy loss (scalar, fp32) when ``labels`` is given, else logits
@@ -447,8 +488,14 @@ class GPT(nn.Module):
             and ``labels`` are this rank's segment and the loss is that of the full sequences.
 
         Raises:
-            ValueError: T exceeds ``config.max_seq_len``.
+            ValueError: T (or a position) exceeds ``config.max_seq_len``, or the generation
+                arguments do not fit together.
         """
+        generating = attention_mask is not None or position_ids is not None or kv_cache is not None
+        if generating or logits_to_keep:
+            return forward_for_generation(
+                self, input_ids, labels, attention_mask, position_ids, kv_cache, logits_to_keep
+            )
         t = input_ids.shape[1]
         # Sequence parallel: input_ids is segment r of P; its RoPE positions start at r * t.
         start, total = self.positions.span(t)
@@ -469,6 +516,15 @@ class GPT(nn.Module):
                 x = layer(x, cos, sin)
         return self.output(self.lm_head(self.norm(x)), labels)  # type: ignore[no-any-return]
 
+    def new_kv_cache(self, max_len: int) -> KVCache:
+        """An empty KV cache for up to ``max_len`` positions (prompt plus new tokens)."""
+        if max_len > self.config.max_seq_len:
+            raise ValueError(
+                f"KV cache of {max_len} positions exceeds GPTConfig.max_seq_len="
+                f"{self.config.max_seq_len}; generate fewer tokens or build a longer model"
+            )
+        return KVCache(len(self.layers), max_len)
+
     @torch.no_grad()
     def generate(
         self,
@@ -480,8 +536,10 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``input_ids`` [B, T0].
 
-        Recomputes the full (cropped) context each step; no KV cache, this is a reference
-        path. Does not change train/eval mode: call ``model.eval()`` first if dropout > 0.
+        Recomputes the full (cropped) context each step, without a KV cache: a reference
+        path. ``slipstream.init_inference(model).generate(...)`` generates with the cache
+        (HF ``generate``'s arguments: padding, sampling, stopping). Does not change
+        train/eval mode: call ``model.eval()`` first if dropout > 0.
 
         Args:
             input_ids: prompt, int64 [B, T0], T0 >= 1.

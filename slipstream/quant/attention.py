@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from slipstream.models.gpt import Attention, CausalAttention, _apply_rope
+from slipstream.models.kv_cache import LayerKV
 from slipstream.quant._formats import int_absmax_scale, quantize_int, quantize_per_token
 from slipstream.quant._gemm import int_mm
 
@@ -153,6 +154,7 @@ class Int8Attention(Attention):
     """
 
     scales: AttnScales = "dynamic"
+    takes_kv_cache = False  # the INT8 core attends causally over its input only
     observing: bool = False
     attn_q_absmax: torch.Tensor
     attn_k_absmax: torch.Tensor
@@ -194,7 +196,19 @@ class Int8Attention(Attention):
         s_v = int_absmax_scale(self.attn_v_absmax, 8).repeat_interleave(n_rep, dim=0)
         return s_q, s_k, s_v.unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        kv: LayerKV | None = None,
+    ) -> torch.Tensor:
+        if mask is not None or kv is not None:
+            raise NotImplementedError(
+                "the INT8 attention core has no KV-cache or padding-mask path; quantize with "
+                "HeroModes(attn_core=False) to generate with a KV cache"
+            )
         if not isinstance(self.core, CausalAttention):  # a sequence-parallel plan's core
             raise NotImplementedError(
                 "the INT8 attention core does not support sequence-parallel attention; quantize "

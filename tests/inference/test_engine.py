@@ -134,5 +134,5 @@ def test_prompt_longer_than_the_model_context_is_refused():
 
 def test_non_hf_module_is_refused_with_the_reason():
     engine = init_inference(torch.nn.Linear(4, 4))
-    with pytest.raises(ConfigError, match="not a Hugging Face causal LM"):
+    with pytest.raises(ConfigError, match="neither slipstream's GPT nor a Hugging Face causal LM"):
         engine.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
