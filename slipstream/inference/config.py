@@ -78,20 +78,23 @@ class InferenceTPConfig(StrictModel):
     enabled: bool = True
     """Use tensor parallelism when ``tp_size`` > 1."""
     tp_size: int = Field(1, ge=1)
-    """Ranks per layer. Values above 1 are refused for now (see ``InferenceConfig``)."""
+    """Ranks per layer: the model is split with the training side's tensor parallelism
+    (``slipstream.inference.parallel``); must divide the attention heads and the number of
+    processes."""
     tp_group: Any = None
-    """A process group to use instead of the default one (DeepSpeed name; unused at tp 1)."""
+    """The process group of this rank's ``tp_size`` ranks (DeepSpeed name); default: the
+    world when it has ``tp_size`` ranks, else groups of consecutive ranks."""
     mpu: Any = None
-    """A Megatron-style model-parallel unit (DeepSpeed name; unused at tp 1)."""
+    """A Megatron-style model-parallel unit whose ``get_tensor_model_parallel_group()`` (or
+    ``get_model_parallel_group()``) gives the group (DeepSpeed name)."""
 
 
 class InferenceConfig(StrictModel):
     """DeepSpeed-Inference's config, as slipstream reads it.
 
     ``dtype`` and ``quant`` decide what the weights are; ``max_out_tokens`` bounds the
-    prompt plus the generated tokens; ``tensor_parallel`` is checked and, for ``tp_size``
-    > 1, refused until tensor-parallel inference lands (the reference models are being made
-    single-device, with TP plans applied from outside; inference TP reuses those plans).
+    prompt plus the generated tokens; ``tensor_parallel`` splits the model over
+    ``tp_size`` processes.
     """
 
     dtype: Any = None

@@ -1,9 +1,11 @@
 """``init_inference`` and ``InferenceEngine``: DeepSpeed-Inference's entry point.
 
-``init_inference`` prepares the model in place, in this order: load ``checkpoint``, cast to
-``dtype``, quantize (``quant``, or ``dtype="int8"``), ``eval()`` with gradients off. The
-engine then only sequences: ``forward`` is the module's, ``generate`` and ``stream`` run
-slipstream's decode loop (``generation.py``) with the engine's limits.
+``init_inference`` prepares the model in place, in this order: check the request (a
+``tp_size`` the heads or the job cannot take is refused here, before any work), load
+``checkpoint``, cast to ``dtype``, split over the tensor-parallel group (``parallel.py``),
+quantize (``quant``, or ``dtype="int8"``), ``eval()`` with gradients off. The engine then
+only sequences: ``forward`` is the module's, ``generate`` and ``stream`` run slipstream's
+decode loop (``generation.py``) with the engine's limits.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from torch import nn
 from slipstream.config._errors import ConfigError
 from slipstream.inference import generation
 from slipstream.inference.config import InferenceConfig, read_inference_config
+from slipstream.inference.generation import RankSync
 from slipstream.inference.kernels import fp32_gemm_for_half_weights_, native_half_gemm
 from slipstream.inference.loading import load_weights
+from slipstream.inference.parallel import check_tensor_parallel, parallelize_for_inference
 
 __all__ = ["InferenceEngine", "init_inference", "resolve_quant"]
 
@@ -71,13 +75,17 @@ class InferenceEngine:
     """A model prepared for inference; DeepSpeed's ``InferenceEngine`` surface.
 
     Attributes:
-        module: the prepared model (the same object that was passed in, converted in place).
+        module: the prepared model (the same object that was passed in, converted in place;
+            under tensor parallelism this rank's shard of it).
         config: the validated :class:`InferenceConfig`.
     """
 
-    def __init__(self, module: nn.Module, config: InferenceConfig) -> None:
+    def __init__(
+        self, module: nn.Module, config: InferenceConfig, sync: RankSync | None = None
+    ) -> None:
         self.module = module
         self.config = config
+        self._sync = sync if sync is not None else RankSync()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, without autograd."""
@@ -100,6 +108,7 @@ class InferenceEngine:
             "max_out_tokens": self.config.max_out_tokens,
             "cache": self.config.kv_cache,
             "finished": self.config.finished_rows,
+            "sync": self._sync,
             **kwargs,
         }
 
@@ -116,21 +125,6 @@ class InferenceEngine:
         return generation.stream(self.module, **self._args(args, kwargs))
 
 
-def _check_parallel(config: InferenceConfig) -> None:
-    if config.tp_size > 1:
-        raise ConfigError(
-            f"init_inference: tensor_parallel.tp_size={config.tp_size} is not supported yet: "
-            "tensor-parallel inference lands with the tensor-parallel refactor (single-device "
-            "models with TP plans applied from outside). Use tp_size=1 (one process) for now"
-        )
-    if config.training_mp_size != 1:
-        raise ConfigError(
-            f"init_inference: training_mp_size={config.training_mp_size} needs tensor-parallel "
-            "checkpoint merging, which is not implemented; export a consolidated checkpoint "
-            "(slipstream convert) and load that"
-        )
-
-
 def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
     """Prepare ``model`` for inference and return an :class:`InferenceEngine`.
 
@@ -142,14 +136,19 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
 
     Raises:
         ConfigError: an unknown key (with a did-you-mean), a bad value, a key given twice
-            with different values, or a setting slipstream refuses (``tp_size`` > 1 for now).
+            with different values, or a setting slipstream refuses; with ``tp_size`` > 1, a
+            size that does not divide the heads or the number of processes.
+
+    With ``tp_size`` > 1 every process of the group calls this with the same model (same
+    weights: TP rank 0's are broadcast) and then the same ``generate`` calls; generated
+    tokens are identical on every rank.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"init_inference: model must be a torch.nn.Module, got {type(model).__name__}"
         )
     cfg = read_inference_config(config, kwargs)
-    _check_parallel(cfg)
+    check_tensor_parallel(model, cfg)
     quant = resolve_quant(cfg.quant, cfg.dtype)
     if cfg.enable_cuda_graph:
         logger.warning(
@@ -160,6 +159,7 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         load_weights(model, cfg.checkpoint, cfg.base_dir)
     if cfg.torch_dtype is not None:
         model.to(cfg.torch_dtype)
+    sync = parallelize_for_inference(model, cfg) if cfg.tp_size > 1 else None
     if quant is not None:
         from slipstream.quant import quantize_
 
@@ -170,4 +170,4 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         fp32_gemm_for_half_weights_(model)
     model.eval()
     model.requires_grad_(False)
-    return InferenceEngine(model, cfg)
+    return InferenceEngine(model, cfg, sync)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from slipstream.cli.main import main
@@ -11,6 +15,7 @@ from tests.inference.conftest import EOS, VOCAB, tiny_llama
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = (
     "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<s> assistant {% endif %}"
@@ -53,10 +58,40 @@ def test_generate_streams_the_chat_answer_and_reports_speed(tmp_path, capsys):
     assert f"[{len(want)} tokens" in err
 
 
-def test_generate_refuses_tensor_parallel_for_now(tmp_path, capsys):
+def _chat_ids(tok, prompt):
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+@pytest.mark.slow  # three interpreters start (launcher + 2 ranks): 12-35 s on this machine
+def test_generate_on_two_tensor_parallel_ranks(tmp_path):
+    """--tp 2 launches two ranks the way `slipstream run` does; rank 0 prints the answer,
+    which is the one-process answer."""
+    model, tok = _save(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream.cli.main", "generate", str(tmp_path), "--prompt",
+         "w3 w9 w40", "--max-new-tokens", "6", "--tp", "2", "--temperature", "0.9",
+         "--seed", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = _chat_ids(tok, "w3 w9 w40")
+    want = generate(model, input_ids=ids, max_new_tokens=6, do_sample=True, temperature=0.9,
+                    seed=5)[0, ids.shape[1] :].tolist()  # fmt: skip
+    if EOS in want:
+        want = want[: want.index(EOS)]
+    assert proc.stdout.strip() == tok.decode(want, skip_special_tokens=True).strip()
+    assert proc.stderr.count("tokens/s") == 1, proc.stderr  # rank 0 only
+    assert f"[{len(want)} tokens" in proc.stderr and "2 tensor-parallel ranks" in proc.stderr
+
+
+def test_generate_refuses_a_tp_size_not_dividing_the_heads(tmp_path, capsys):
     _save(tmp_path)
-    code = main(["generate", str(tmp_path), "--prompt", "w3", "--tp", "2"])
-    assert code == 2 and "tp_size=2 is not supported yet" in capsys.readouterr().err
+    code = main(["generate", str(tmp_path), "--prompt", "w3", "--tp", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "tp_size=3 does not divide" in err and "num_attention_heads=4" in err
 
 
 def test_generate_rejects_a_missing_model(tmp_path, capsys):

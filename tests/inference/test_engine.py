@@ -33,8 +33,11 @@ def test_deepspeed_keys_are_accepted_and_init_inference_is_exported():
     [
         ({"tensor_paralel": {"tp_size": 1}}, "did you mean 'tensor_parallel'"),
         ({"max_out_token": 8}, "did you mean 'max_out_tokens'"),
-        ({"tensor_parallel": {"tp_size": 2}}, "tp_size=2 is not supported yet"),
-        ({"mp_size": 2}, "tp_size=2 is not supported yet"),
+        ({"tensor_parallel": {"tp_size": 2}}, "tp_size=2 needs a multiple of 2 processes"),
+        ({"mp_size": 2}, "tp_size=2 needs a multiple of 2 processes, but this job has 1"),
+        ({"tp": {"tp_size": 3}}, "tp_size=3 does not divide .*num_attention_heads=4"),
+        ({"mp_size": 4}, "tp_size=4 does not divide .*num_key_value_heads=2"),
+        ({"mp_size": 2, "quant": "w8a8-int"}, "quantization .* with tensor_parallel.tp_size=2"),
         ({"mp_size": 2, "tensor_parallel": {"tp_size": 4}}, "contradicts"),
         ({"dtype": "fp8"}, "'fp8' is not a dtype"),
         ({"zero": {"stage": 3}}, "ZeRO-Inference"),

@@ -1,0 +1,65 @@
+"""Rank body of the tensor-parallel inference tests (2 gloo ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slipstream.distributed import comm
+from slipstream.inference import init_inference
+from slipstream.models import GPT, GPTConfig
+from tests.inference.conftest import VOCAB, left_padded, tiny_llama
+
+LENGTHS = [3, 8, 5]
+NEW = 8
+SAMPLE = dict(do_sample=True, temperature=0.9, top_k=30, top_p=0.95)
+
+
+def tiny_gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny", vocab_size=VOCAB)).eval()
+
+
+MODELS = {"gpt": tiny_gpt, "llama": tiny_llama}
+
+
+def generations(engine: Any) -> dict[str, torch.Tensor]:
+    """Greedy and seeded sampled generations of one engine (the same calls at any TP size)."""
+    ids, mask = left_padded(LENGTHS)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW)
+    return {
+        "greedy": engine.generate(ids, **kw),
+        "sampled": engine.generate(ids, seed=11, **kw, **SAMPLE),
+        "sampled_again": engine.generate(ids, seed=11, **kw, **SAMPLE),
+        "generator": engine.generate(
+            ids, generator=torch.Generator().manual_seed(11), **kw, **SAMPLE
+        ),
+    }
+
+
+def tp_generation() -> dict[str, Any]:
+    rank = comm.get_rank()
+    out: dict[str, Any] = {}
+    for name, build in MODELS.items():
+        model = build()
+        key = "mp_size" if name == "gpt" else "tensor_parallel"
+        value: Any = 2 if name == "gpt" else {"tp_size": 2}
+        engine = init_inference(model, **{key: value})
+        res = generations(engine)
+        # Each rank's global RNG differs: sampling without a seed must still agree.
+        torch.manual_seed(100 + rank)
+        ids, mask = left_padded(LENGTHS)
+        res["unseeded"] = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLE)
+        res["local_heads"] = engine.module.get_submodule(
+            "layers.0.attn.q_proj" if name == "gpt" else "model.layers.0.self_attn.q_proj"
+        ).weight.shape[0]
+        out[name] = res
+    # A rank asking for something else is an error on every rank, not a hang.
+    ids, mask = left_padded(LENGTHS, seed=1 + rank)
+    try:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+        out["mismatch"] = None
+    except RuntimeError as err:
+        out["mismatch"] = str(err)
+    return out
