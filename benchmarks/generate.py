@@ -24,6 +24,11 @@ shared machine disturb far less than wall time. Before timing, each slipstream o
 compared with HF's: in fp32 they must agree token for token; in bf16 the table shows the
 fraction that agrees (slipstream's bf16 GEMMs sum in another order, see
 ``slipstream.inference.kernels``, and greedy decoding amplifies one flipped near-tie).
+
+``--gpt PRESET`` times slipstream's reference GPT (random weights, ``GPTConfig.preset``)
+instead: ``GPT.generate`` (recomputes the whole sequence every step, no cache) against
+``init_inference(gpt).generate`` (its KV cache), greedy, equal-length random prompts of
+``--prompt-len`` tokens, the same tokens required.
 """
 
 from __future__ import annotations
@@ -176,6 +181,34 @@ def run_cell(model: Any, tok: Any, batch: int, dtype: torch.dtype, args: argpars
     return {name: (counts[name] / statistics.median(t), agree[name]) for name, t in times.items()}
 
 
+def gpt_cell(preset: str, batch: int, args: argparse.Namespace) -> dict[str, float]:
+    """{variant: tokens/s} for the reference GPT: recompute vs KV cache (same tokens)."""
+    from slipstream.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset(preset)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len))
+    engine = init_inference(model, max_out_tokens=model.config.max_seq_len)
+    n = args.new_tokens
+    table: dict[str, Callable[[], torch.Tensor]] = {
+        "GPT.generate (no cache)": partial(model.generate, ids, n, temperature=0),
+        "slipstream (KV cache)": partial(engine.generate, ids, max_new_tokens=n),
+    }
+    outs = {name: fn() for name, fn in table.items()}
+    first, second = outs.values()
+    if not torch.equal(first, second):
+        raise AssertionError("the cached greedy tokens differ from the recomputed ones")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times: dict[str, list[float]] = {name: [] for name in table}
+    for _ in range(args.repeats):
+        for name, fn in table.items():
+            start = clock()
+            with torch.inference_mode():
+                fn()
+            times[name].append(clock() - start)
+    return {name: batch * n / statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="HF causal-LM directory or smollm2")
@@ -192,9 +225,25 @@ def main() -> None:
                         "jobs; use with --threads 1)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=["dynamic/drop"],
                         help="slipstream cache/finished-rows pairs, e.g. static/mask")  # fmt: skip
+    parser.add_argument("--gpt", default=None, metavar="PRESET",
+                        help="time slipstream's reference GPT (tiny/small/25m) instead: "
+                        "recompute vs KV cache")  # fmt: skip
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt length for --gpt")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gpt is not None:
+        print(f"reference GPT {args.gpt!r}, random weights; torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, {args.clock} clock, load average "
+              f"{os.getloadavg()[0]:.1f} at start")  # fmt: skip
+        for batch in args.batch:
+            speeds = gpt_cell(args.gpt, batch, args)
+            base = next(iter(speeds.values()))
+            for variant, tps in speeds.items():
+                print(f"batch {batch:3d} {variant:24} {tps:9.1f} tokens/s {tps / base:6.2f}x",
+                      flush=True)  # fmt: skip
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+        return
     model, tok, what = load_model(args)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     print(f"model: {what}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
