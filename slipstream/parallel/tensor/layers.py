@@ -80,8 +80,8 @@ class ColumnParallelLinear(_TPModule):
         transposed = not isinstance(module, nn.Linear)
         weight: nn.Parameter = module.weight  # type: ignore[assignment]
         out_dim = 1 if transposed else 0
-        _check_divisible(module, "output features", weight.shape[out_dim], group, fused_parts)
-        if not getattr(weight, "_tp_sharded", False):  # a tied weight is split once
+        if not getattr(weight, "_tp_sharded", False):  # a tied weight is split (checked) once
+            _check_divisible(module, "output features", weight.shape[out_dim], group, fused_parts)
             shard_param_(weight, out_dim, group, fused_parts)
             weight._tp_sharded = True  # type: ignore[attr-defined]
         bias = getattr(module, "bias", None)
