@@ -177,8 +177,12 @@ def all_checks() -> dict[str, Any]:
     import time
     import traceback
 
+    from tests.rlhf import _chat_workloads as chat
+
     checks = {
         "refusals": refusals,
+        "dpo": chat.dpo_checks,
+        "chat": chat.chat_checks,
         "gen3": lambda: generation_checks(3),
         "trip3": lambda: round_trip_checks(3),
         "grpo": grpo_demo,
