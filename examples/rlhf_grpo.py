@@ -62,6 +62,60 @@ def evaluate(engine, reference, ids, mask, max_new_tokens: int) -> tuple[float, 
     return success, kl
 
 
+def run(
+    steps: int = 25,
+    prompts: int = 8,
+    group: int = 4,
+    max_new_tokens: int = 6,
+    lr: float = 3e-3,
+    kl_coef: float = 0.1,
+    log: str | None = None,
+) -> dict[str, float]:
+    """Train ``steps`` GRPO steps; return the held-out success before/after and the KL.
+
+    Every rank passes its own ``prompts`` prompts per step (tests call this inside a world).
+    """
+    slipstream.init_distributed()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+        )
+    )  # fmt: skip
+    reference = copy.deepcopy(model)
+    config = {
+        "train_micro_batch_size_per_gpu": prompts * group,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": 1.0,
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 32},
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    trainer = GRPOTrainer(
+        engine,
+        keyword_reward,
+        GRPOConfig(group_size=group, max_new_tokens=max_new_tokens, kl_coef=kl_coef),
+        reference=reference,
+        log_path=log,
+    )
+    rank = slipstream.comm.get_rank()
+    held_out = make_prompts(64, seed=10_000 + rank)
+    before, _ = evaluate(engine, reference, *held_out, max_new_tokens)
+    for step in range(steps):
+        trainer.step(*make_prompts(prompts, seed=step * 97 + rank))
+    after, kl = evaluate(engine, reference, *held_out, max_new_tokens)
+    stats = engine.hybrid_engine.stats
+    return {
+        "before": before,
+        "after": after,
+        "kl": kl,
+        "generate_s": stats.generate_seconds,
+        "calls": stats.calls,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=0)  # passed by `slipstream run`
@@ -73,45 +127,15 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.1)
     parser.add_argument("--log", default=None, help="JSON-lines metrics file")
     args = parser.parse_args()
-
-    slipstream.init_distributed()
     torch.set_num_threads(1)  # a tiny model: more threads only wait for each other
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-            pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
-        )
-    )  # fmt: skip
-    reference = copy.deepcopy(model)
-    config = {
-        "train_micro_batch_size_per_gpu": args.prompts * args.group,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "gradient_clipping": 1.0,
-        "hybrid_engine": {"enabled": True, "max_out_tokens": 32},
-    }
-    engine, *_ = slipstream.initialize(model=model, config=config)
-    trainer = GRPOTrainer(
-        engine,
-        keyword_reward,
-        GRPOConfig(group_size=args.group, max_new_tokens=args.max_new_tokens, kl_coef=args.kl_coef),
-        reference=reference,
-        log_path=args.log,
+    r = run(
+        args.steps, args.prompts, args.group, args.max_new_tokens, args.lr, args.kl_coef, args.log
     )
-    rank = slipstream.comm.get_rank()
-    held_out = make_prompts(64, seed=10_000 + rank)
-    before, _ = evaluate(engine, reference, *held_out, args.max_new_tokens)
-    for step in range(args.steps):
-        trainer.step(*make_prompts(args.prompts, seed=step * 97 + rank))
-    after, kl = evaluate(engine, reference, *held_out, args.max_new_tokens)
-    stats = engine.hybrid_engine.stats
-    if rank == 0:
+    if slipstream.comm.get_rank() == 0:
         print(
-            f"held-out success rate: before {before:.3f} after {after:.3f}; "
-            f"KL to reference {kl:.4f} nats/token; generation {stats.generate_seconds:.1f}s "
-            f"over {stats.calls} calls"
+            f"held-out success rate: before {r['before']:.3f} after {r['after']:.3f}; "
+            f"KL to reference {r['kl']:.4f} nats/token; generation {r['generate_s']:.1f}s "
+            f"over {r['calls']:.0f} calls"
         )
 
 

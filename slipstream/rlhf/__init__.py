@@ -1,4 +1,5 @@
-"""RLHF on slipstream: DeepSpeed-Chat's losses and estimators, the hybrid engine, GRPO.
+"""RLHF on slipstream: the hybrid engine, DeepSpeed-Chat's three steps (SFT, reward model,
+PPO) and their data, GRPO/RLOO, DPO, and the losses and estimators under them.
 
 ``slipstream.rlhf.losses`` and ``slipstream.rlhf.advantages`` are pure functions on tensors
 (reward-model loss, KL-shaped rewards, GAE, PPO actor/critic losses, GRPO/RLOO advantages,
@@ -15,6 +16,30 @@ from slipstream.rlhf.advantages import (
     kl_shaped_rewards,
     rloo_advantages,
 )
+from slipstream.rlhf.chat import (
+    Experience,
+    PPOConfig,
+    PPOMetrics,
+    PPOTrainer,
+    RewardModel,
+    reward_step,
+    sequence_scores,
+    sft_step,
+)
+from slipstream.rlhf.data import (
+    PairBatch,
+    PreferenceRecord,
+    PromptBatch,
+    SFTBatch,
+    check_same_tokenizer,
+    load_preference_records,
+    pair_batch,
+    parse_data_split,
+    prompt_batch,
+    sft_batch,
+    split_for_step,
+)
+from slipstream.rlhf.dpo import DPOConfig, DPOMetrics, DPOTrainer
 from slipstream.rlhf.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer, completion_mask
 from slipstream.rlhf.hybrid import GenerationStats, HybridEngine, enable_hybrid_engine_
 from slipstream.rlhf.losses import (
@@ -28,13 +53,26 @@ from slipstream.rlhf.losses import (
 )
 
 __all__ = [
+    "DPOConfig",
+    "DPOMetrics",
     "DPOOutput",
+    "DPOTrainer",
+    "Experience",
     "GRPOConfig",
     "GRPOMetrics",
     "GRPOTrainer",
     "GenerationStats",
     "HybridEngine",
+    "PPOConfig",
+    "PPOMetrics",
+    "PPOTrainer",
+    "PairBatch",
+    "PreferenceRecord",
+    "PromptBatch",
+    "RewardModel",
     "RewardModelOutput",
+    "SFTBatch",
+    "check_same_tokenizer",
     "completion_mask",
     "dpo_loss",
     "ema_update_",
@@ -43,9 +81,18 @@ __all__ = [
     "grpo_advantages",
     "k3_kl",
     "kl_shaped_rewards",
+    "load_preference_records",
+    "pair_batch",
+    "parse_data_split",
     "ppo_actor_loss",
     "ppo_critic_loss",
+    "prompt_batch",
     "reward_model_loss",
+    "reward_step",
     "rloo_advantages",
+    "sequence_scores",
+    "sft_batch",
+    "sft_step",
+    "split_for_step",
     "token_logprobs",
 ]

@@ -156,10 +156,58 @@ def refusals() -> dict[str, str]:
     return errors
 
 
+def grpo_demo(steps: int = 15) -> dict[str, float]:
+    """examples/rlhf_grpo.py at 2 ranks, 4 prompts each (its 8-prompt batch split over them)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "rlhf_grpo.py"
+    spec = importlib.util.spec_from_file_location("rlhf_grpo_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result: dict[str, float] = example.run(steps=steps, prompts=4)
+    return result
+
+
 def all_checks() -> dict[str, Any]:
-    return {
-        "refusals": refusals(),
-        "gen3": generation_checks(3),
-        "gen2": generation_checks(2),
-        "trip3": round_trip_checks(3),
+    """Every engine-level RLHF check in one 2-rank world (its start-up, importing torch and
+    transformers in two processes, costs more than the checks). A failing check records its
+    error instead of its result, so the other tests still report."""
+    import time
+    import traceback
+
+    from tests.rlhf import _chat_workloads as chat
+
+    checks = {
+        "refusals": refusals,
+        "dpo": chat.dpo_checks,
+        "chat": chat.chat_checks,
+        "gen3": lambda: generation_checks(3),
+        "trip3": lambda: round_trip_checks(3),
+        "grpo": grpo_demo,
     }
+    out: dict[str, Any] = {"seconds": {}}
+    for name, check in checks.items():
+        started = time.perf_counter()
+        try:
+            out[name] = check()
+        except Exception:
+            out[name] = CheckFailed(traceback.format_exc())
+        out["seconds"][name] = time.perf_counter() - started
+    return out
+
+
+class CheckFailed(str):
+    """The traceback of a check that raised (a test reading it fails with this text)."""
+
+
+def result(ranks: list[dict[str, Any]], name: str) -> list[Any]:
+    """Each rank's result of check ``name``; fails the calling test with the traceback of a
+    check that raised."""
+    import pytest
+
+    for r in ranks:
+        if isinstance(r[name], CheckFailed):
+            pytest.fail(f"check {name!r} raised on a rank:\n{r[name]}")
+    return [r[name] for r in ranks]

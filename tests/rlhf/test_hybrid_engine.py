@@ -7,64 +7,50 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import run_world
-from tests.rlhf import _hybrid_workloads as w
-
-pytest.importorskip("transformers")
+from tests.rlhf._hybrid_workloads import result
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_world(w.all_checks, 2, timeout_s=240)
-
-
-@pytest.mark.parametrize("stage", [3, 2])
-def test_generation_equals_the_unsharded_model_token_for_token(results, stage):
-    """engine.generate, engine.module.generate (DeepSpeed-Chat's call) and the unpinned
-    per-layer path all give the unsharded model's greedy tokens (slipstream's decode loop
-    and HF generate); each rank generates its own prompts and lengths."""
-    for r in results:
-        g = r[f"gen{stage}"]
+def test_generation_equals_the_unsharded_model_token_for_token(rlhf_world):
+    """ZeRO-3: engine.generate, engine.module.generate (DeepSpeed-Chat's call) and the
+    unpinned per-layer path all give the unsharded model's greedy tokens (slipstream's
+    decode loop and HF generate); each rank generates its own prompts and lengths. (ZeRO 0-2
+    hold whole parameters: generation runs directly, as the DPO/PPO checks use it.)"""
+    for g in result(rlhf_world, "gen3"):
         assert torch.equal(g["want"], g["hf_want"])
         for key in ("pinned", "module_generate", "unpinned"):
             assert torch.equal(g[key], g["want"]), key
 
 
-def test_pinned_generation_gathers_once_per_call(results):
+def test_pinned_generation_gathers_once_per_call(rlhf_world):
     """Pinned: one gather (plus its unit check) per unit for the whole call, 4 units
     (root + 3 layers) -> 8 all-gathers whatever the length; unpinned: every model call
     re-gathers every unit, and both ranks make the same number of calls (rank 0 wants 6
     tokens, rank 1 wants 10: rank 0 keeps pace) -> 10 forwards x 8."""
-    for r in results:
-        g = r["gen3"]
+    for g in result(rlhf_world, "gen3"):
         assert g["pinned_gathers"] == 8
         assert g["unpinned_gathers"] == 80
-        assert r["gen2"]["pinned_gathers"] == r["gen2"]["unpinned_gathers"] == 0
 
 
-def test_training_layout_is_back_after_generation(results):
+def test_training_layout_is_back_after_generation(rlhf_world):
     """After engine.train() every partitioned parameter is released again (1/N shard)."""
-    for r in results:
-        g = r["gen3"]
+    for g in result(rlhf_world, "gen3"):
         assert g["shards_after"] == g["shards_before"] and sum(g["shards_after"]) == 0
         assert g["stats"].calls == 2 and g["stats"].new_tokens > 0
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_round_trips_leave_the_next_training_step_unchanged(results, stage):
-    """5 eval/generate/train cycles between two steps: same parameters as without them,
-    and the shard layout after each cycle is the training layout (nothing stays gathered)."""
-    for r in results:
-        t = r[f"trip{stage}"]
+def test_round_trips_leave_the_next_training_step_unchanged(rlhf_world):
+    """ZeRO-3, 5 eval/generate/train cycles between two steps: same parameters as without
+    them, and the shard layout after each cycle is the training layout (nothing stays
+    gathered)."""
+    for t in result(rlhf_world, "trip3"):
         assert all(layout == t["reference_layout"] for layout in t["layouts"])
         assert set(t["plain"]) == set(t["cycled"])
         for name, p in t["plain"].items():
             assert torch.equal(p, t["cycled"][name]), name
 
 
-def test_models_and_layouts_it_cannot_serve_are_refused_at_initialize(results):
-    for r in results:
-        errors = r["refusals"]
+def test_models_and_layouts_it_cannot_serve_are_refused_at_initialize(rlhf_world):
+    for errors in result(rlhf_world, "refusals"):
         assert "the model is a Linear, not a causal language model" in errors["not_causal"]
         assert "tensor_parallel.autotp_size=2" in errors["tp"]
 

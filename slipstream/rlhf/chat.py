@@ -1,0 +1,454 @@
+"""DeepSpeed-Chat's three steps on slipstream engines: SFT, reward model, PPO.
+
+Yao et al. 2023 (arXiv 2308.01320) and DeepSpeedExamples' ``applications/DeepSpeed-Chat``:
+
+1. **SFT** (:func:`sft_step`): causal-LM cross-entropy on ``prompt + chosen`` (prompt included).
+2. **Reward model** (:class:`RewardModel`, :func:`reward_step`): the base transformer of a causal
+   LM plus ``v_head`` (Linear(hidden, 1, no bias)), a scalar per token; trained with the
+   divergent-suffix pairwise loss (:func:`~slipstream.rlhf.losses.reward_model_loss`); the
+   score of a sequence is the value at its last non-pad token.
+3. **PPO** (:class:`PPOTrainer`): four models, the actor (trained, generation through the
+   hybrid engine), a frozen reference (the SFT model), the critic (trained, initialized from
+   the reward model) and the frozen reward model. One step = ``generate_experience`` then
+   ``train_rlhf`` (DeepSpeed-Chat's names): KL-shaped per-token rewards (beta 0.1, score clip
+   +-5), GAE (gamma 1, lambda 0.95, no whitening), one clipped actor step (0.2) and one clipped
+   critic step (0.2), then the optional EMA of the actor (0.992).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream._logging import log_rank0
+from slipstream.config import ConfigError
+from slipstream.distributed import comm
+from slipstream.rlhf.advantages import ema_update_, gae_advantages_and_returns, kl_shaped_rewards
+from slipstream.rlhf.data import PairBatch, SFTBatch
+from slipstream.rlhf.grpo import completion_mask
+from slipstream.rlhf.losses import (
+    RewardModelOutput,
+    ppo_actor_loss,
+    ppo_critic_loss,
+    reward_model_loss,
+    token_logprobs,
+)
+from slipstream.runtime.engine import Engine
+from slipstream.zero import GatheredParameters
+
+__all__ = [
+    "Experience",
+    "PPOConfig",
+    "PPOMetrics",
+    "PPOTrainer",
+    "RewardModel",
+    "reward_step",
+    "sequence_scores",
+    "sft_step",
+]
+
+
+# ---------------------------------------------------------------------------- step 1
+
+
+def sft_step(engine: Engine, batch: SFTBatch) -> float:
+    """One step-1 optimizer step (``gradient_accumulation_steps`` micro-batches); returns
+    the mean loss. The engine's module is a Hugging Face causal LM (it shifts the labels)."""
+    gas = engine.gradient_accumulation_steps()
+    total = 0.0
+    for rows in _micro_batches(batch.input_ids.shape[0], gas, "sft_step"):
+        out = engine(
+            input_ids=batch.input_ids[rows],
+            attention_mask=batch.attention_mask[rows],
+            labels=batch.labels[rows],
+        )
+        engine.backward(out.loss)
+        engine.step()
+        total += float(out.loss.detach()) / gas
+    return total
+
+
+def _micro_batches(n: int, gas: int, who: str) -> tuple[torch.Tensor, ...]:
+    if n % gas:
+        raise ConfigError(
+            f"{who}: {n} rows do not split into gradient_accumulation_steps={gas} equal "
+            "micro-batches; pass a multiple of it"
+        )
+    return torch.arange(n).chunk(gas)
+
+
+# ---------------------------------------------------------------------------- step 2
+
+
+class RewardModel(nn.Module):
+    """A causal LM's base transformer with a scalar ``v_head`` per token (DeepSpeed-Chat's
+    ``RewardModel``; its LM head is dropped).
+
+    Args:
+        lm: a Hugging Face causal LM (``base_model`` is its transformer) or a base model.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        cfg: Any = lm.config
+        self.config = cfg
+        self.backbone = getattr(lm, "base_model", lm)
+        self.v_head = nn.Linear(int(cfg.hidden_size), 1, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Values ``[B, T]``, one per token."""
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        values: torch.Tensor = self.v_head(hidden).squeeze(-1)
+        return values
+
+
+def reward_step(
+    engine: Engine, batch: PairBatch, pad_token_id: int, num_padding_at_beginning: int = 0
+) -> RewardModelOutput:
+    """One step-2 optimizer step: chosen and rejected as one batch (``[all chosen; all
+    rejected]``, as DeepSpeed-Chat), the divergent-suffix loss. Returns the loss, scores and
+    accuracy (detached; means over micro-batches for loss and accuracy)."""
+    n, gas = batch.chosen_ids.shape[0], engine.gradient_accumulation_steps()
+    losses, accs, chosen, rejected = [], [], [], []
+    for rows in _micro_batches(n, gas, "reward_step"):
+        ids = torch.cat([batch.chosen_ids[rows], batch.rejected_ids[rows]])
+        mask = torch.cat([batch.chosen_mask[rows], batch.rejected_mask[rows]])
+        values = engine(input_ids=ids, attention_mask=mask)
+        k = rows.numel()
+        out = reward_model_loss(
+            values[:k], values[k:], ids[:k], ids[k:], pad_token_id, num_padding_at_beginning
+        )
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.detach())
+        accs.append(out.accuracy)
+        chosen.append(out.chosen_scores.detach())
+        rejected.append(out.rejected_scores.detach())
+    return RewardModelOutput(
+        loss=torch.stack(losses).mean(),
+        chosen_scores=torch.cat(chosen),
+        rejected_scores=torch.cat(rejected),
+        accuracy=torch.stack(accs).mean(),
+    )
+
+
+def sequence_scores(reward_model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's score ``[B]``: the reward model's value at its last non-pad token.
+    Position ids count real tokens, so left padding does not shift them."""
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    values = reward_model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+    return values[torch.arange(ids.shape[0]), last]
+
+
+# ---------------------------------------------------------------------------- step 3
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """Step-3 options; the defaults are DeepSpeed-Chat's (current master)."""
+
+    max_new_tokens: int = 256
+    kl_coef: float = 0.1
+    """beta of the KL folded into the per-token rewards (fixed, no adaptive controller)."""
+    clip_reward: float = 5.0
+    clip: float = 0.2
+    """Policy ratio clip."""
+    value_clip: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    ema_beta: float = 0.992
+    do_sample: bool = True
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 2:
+            raise ConfigError(
+                f"PPOConfig.max_new_tokens={self.max_new_tokens}: answers of <= 1 token are "
+                "dropped, so at least 2 are needed"
+            )
+        if self.kl_coef < 0 or self.clip <= 0 or self.value_clip <= 0 or self.clip_reward <= 0:
+            raise ConfigError(
+                f"PPOConfig: kl_coef={self.kl_coef} must be >= 0 and clip={self.clip}, "
+                f"value_clip={self.value_clip}, clip_reward={self.clip_reward} > 0"
+            )
+        if not 0.0 <= self.ema_beta < 1.0:
+            raise ConfigError(f"PPOConfig.ema_beta={self.ema_beta} must be in [0, 1)")
+
+
+@dataclass
+class Experience:
+    """One generated batch scored with no gradient (DeepSpeed-Chat's ``generate_experience``).
+
+    Per-token arrays are ``[B, L - 1]``: position ``t`` scores token ``t + 1``.
+    """
+
+    seq: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor
+    """``[B]`` the reward model's score of each sequence."""
+    reused: bool = False
+    """True when every answer of this step's batch was empty and the previous batch was
+    reused (DeepSpeed-Chat's behaviour)."""
+
+
+@dataclass(frozen=True)
+class PPOMetrics:
+    step: int
+    reward_mean: float
+    reward_std: float
+    kl: float
+    """Mean per-token ``logp - logp_ref`` on the answers."""
+    actor_loss: float
+    critic_loss: float
+    entropy: float
+    clip_fraction: float
+    response_length: float
+    dropped: int
+    """Answers of <= 1 token dropped from this step's batch."""
+    reused_batch: bool
+    generate_s: float
+    score_s: float
+    train_s: float
+    tokens_per_s: float
+
+
+def _logits(out: Any) -> torch.Tensor:
+    logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]
+    return logits
+
+
+class PPOTrainer:
+    """DeepSpeed-Chat step 3 on slipstream engines.
+
+    Args:
+        actor: engine of the SFT model with ``hybrid_engine.enabled`` (generation).
+        critic: engine of a :class:`RewardModel` initialized from the trained reward model.
+        reference: the frozen SFT model (a plain module; may live on CPU).
+        reward_model: the frozen trained :class:`RewardModel` (a plain module).
+        config: :class:`PPOConfig`.
+        ema: an optional copy of the actor's module (``copy.deepcopy(model)`` before
+            ``initialize``): after each step ``theta_ema <- lerp(theta, theta_ema, beta)``.
+        log_path: JSON-lines file rank 0 appends each step's metrics to.
+    """
+
+    def __init__(
+        self,
+        actor: Engine,
+        critic: Engine,
+        reference: nn.Module,
+        reward_model: nn.Module,
+        config: PPOConfig | None = None,
+        ema: nn.Module | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        if getattr(actor, "hybrid_engine", None) is None:
+            raise ConfigError(
+                "PPOTrainer: the actor engine needs the hybrid engine for generation: add "
+                '"hybrid_engine": {"enabled": true} to the actor\'s config'
+            )
+        self.actor, self.critic, self.config = actor, critic, config or PPOConfig()
+        self.reference = reference.eval().requires_grad_(False)
+        self.reward_model = reward_model.eval().requires_grad_(False)
+        self.ema = ema.eval().requires_grad_(False) if ema is not None else None
+        cfg: Any = actor.module.config
+        eos = cfg.eos_token_id
+        self.eos_token_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        self.pad_token_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.steps = 0
+        self._previous: Experience | None = None
+        self._timing = (0.0, 0.0)  # the last experience's (generation, scoring) seconds
+
+    # ------------------------------------------------------------ experience
+    def generate_experience(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+    ) -> tuple[Experience | None, int]:
+        """Generate answers to the (left-padded) prompts and score them with no gradient.
+
+        Answers of <= 1 token are dropped. When every answer of the batch is dropped the
+        previous batch's experience is reused (marked ``reused``); with none yet, returns
+        None. Returns ``(experience, dropped answers)``.
+        """
+        cfg, p = self.config, prompt_ids.shape[1]
+        started = time.perf_counter()
+        self.actor.eval()
+        seq = self.actor.generate(
+            prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=cfg.do_sample,
+            temperature=cfg.temperature,
+            seed=cfg.seed + 100_003 * self.steps + 7919 * comm.get_rank(),
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids,
+        )
+        self.actor.train()
+        generated = time.perf_counter()
+        self._timing = (generated - started, 0.0)
+        answer = completion_mask(seq[:, p:], self.eos_token_ids)
+        keep = answer.sum(1) > 1
+        dropped = int((~keep).sum())
+        if not bool(keep.any()):
+            if self._previous is None:
+                return None, dropped
+            self._previous.reused = True
+            return self._previous, dropped
+        seq, answer, pmask = seq[keep], answer[keep], prompt_mask[keep]
+        seq = seq.masked_fill(torch.cat([pmask, answer], 1) == 0, self.pad_token_id)
+        mask = torch.cat([pmask, answer], 1)
+        with torch.no_grad():
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            kwargs = {"input_ids": seq, "attention_mask": mask, "position_ids": positions}
+            logp = token_logprobs(_logits(self.actor(**kwargs))[:, :-1], seq[:, 1:])
+            ref = token_logprobs(_logits(self.reference(**kwargs))[:, :-1], seq[:, 1:])
+            values = self.critic(**kwargs)[:, :-1]
+            scores = sequence_scores(self.reward_model, seq, mask)
+        exp = Experience(seq, mask, p, logp, ref, values.float(), scores.float())
+        self._previous = exp
+        self._timing = (generated - started, time.perf_counter() - generated)
+        return exp, dropped
+
+    # ------------------------------------------------------------ training
+    def train_rlhf(self, exp: Experience) -> dict[str, float]:
+        """One actor step and one critic step on ``exp`` (DeepSpeed-Chat's ``train_rlhf``)."""
+        cfg = self.config
+        start = exp.prompt_len - 1
+        action_mask = exp.attention_mask[:, 1:].to(exp.logprobs.dtype)
+        with torch.no_grad():
+            rewards, ends = kl_shaped_rewards(
+                exp.logprobs, exp.ref_logprobs, exp.rewards, action_mask, start,
+                cfg.kl_coef, cfg.clip_reward,
+            )  # fmt: skip
+            positions = torch.arange(rewards.shape[1]).unsqueeze(0)
+            old_values = exp.values.masked_fill(positions >= ends.unsqueeze(1), 0.0)
+            advantages, returns = gae_advantages_and_returns(
+                old_values, rewards, start, cfg.gamma, cfg.lam
+            )
+        mask = action_mask[:, start:]
+        positions_ids = (exp.attention_mask.cumsum(1) - 1).clamp(min=0)
+        kwargs = {
+            "input_ids": exp.seq,
+            "attention_mask": exp.attention_mask,
+            "position_ids": positions_ids,
+        }
+        logits = _logits(self.actor(**kwargs))[:, :-1]
+        logp = token_logprobs(logits, exp.seq[:, 1:])
+        actor_loss = ppo_actor_loss(
+            logp[:, start:], exp.logprobs[:, start:], advantages, mask, cfg.clip
+        )
+        self.actor.backward(actor_loss)
+        self.actor.step()
+        values = self.critic(**kwargs)[:, :-1]
+        critic_loss = ppo_critic_loss(
+            values[:, start:], old_values[:, start:], returns, mask, cfg.value_clip
+        )
+        self.critic.backward(critic_loss)
+        self.critic.step()
+        if self.ema is not None:
+            self._update_ema()
+        with torch.no_grad():
+            answer_logits = logits[:, start:].float()
+            logp_all = torch.log_softmax(answer_logits, -1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            ratio = torch.exp(logp[:, start:] - exp.logprobs[:, start:])
+            clipped = ((ratio - 1).abs() > cfg.clip).to(mask.dtype)
+            kl = exp.logprobs[:, start:] - exp.ref_logprobs[:, start:]
+            denom = mask.sum().clamp(min=1.0)
+        return {
+            "actor_loss": float(actor_loss.detach()),
+            "critic_loss": float(critic_loss.detach()),
+            "entropy": float((entropy * mask).sum() / denom),
+            "clip_fraction": float((clipped * mask).sum() / denom),
+            "kl": float((kl * mask).sum() / denom),
+        }
+
+    def _update_ema(self) -> None:
+        """``theta_ema <- lerp(theta, theta_ema, beta)``; ZeRO-3 parameters are gathered for
+        the update (every rank takes part) and released after."""
+        assert self.ema is not None
+        params = list(self.actor.module.parameters())
+        with torch.no_grad(), GatheredParameters(params):
+            ema_update_(list(self.ema.parameters()), list(params), self.config.ema_beta)
+
+    def step(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PPOMetrics | None:
+        """``generate_experience`` then ``train_rlhf``. Returns None (and trains nothing, on
+        every rank) when some rank has no experience yet (all its first answers empty)."""
+        exp, dropped = self.generate_experience(prompt_ids, prompt_mask)
+        t1 = time.perf_counter()
+        if not _all_ranks(exp is not None):
+            log_rank0(
+                "ppo: every answer of a rank's first batch had <= 1 token; step skipped on "
+                "all ranks (nothing to reuse yet)"
+            )
+            return None
+        assert exp is not None
+        losses = self.train_rlhf(exp)
+        t2 = time.perf_counter()
+        self.steps += 1
+        n_tokens = int(exp.attention_mask[:, exp.prompt_len :].sum())
+        generate_s, score_s = self._timing
+        metrics = PPOMetrics(
+            step=self.steps,
+            reward_mean=float(exp.rewards.mean()),
+            reward_std=float(exp.rewards.std()) if exp.rewards.numel() > 1 else 0.0,
+            kl=losses["kl"],
+            actor_loss=losses["actor_loss"],
+            critic_loss=losses["critic_loss"],
+            entropy=losses["entropy"],
+            clip_fraction=losses["clip_fraction"],
+            response_length=n_tokens / exp.seq.shape[0],
+            dropped=dropped,
+            reused_batch=exp.reused,
+            generate_s=generate_s,
+            score_s=score_s,
+            train_s=t2 - t1,
+            tokens_per_s=n_tokens / max(generate_s, 1e-9),
+        )
+        self._log(metrics)
+        return metrics
+
+    def _log(self, m: PPOMetrics) -> None:
+        if comm.get_rank() != 0:
+            return
+        log_rank0(
+            "ppo step %d: reward %.3f +- %.3f kl %.4f actor %.4f critic %.4f len %.1f | "
+            "generate %.2fs score %.2fs train %.2fs",
+            m.step, m.reward_mean, m.reward_std, m.kl, m.actor_loss, m.critic_loss,
+            m.response_length, m.generate_s, m.score_s, m.train_s,
+        )  # fmt: skip
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a") as f:
+                f.write(json.dumps(asdict(m)) + "\n")
+
+
+def _all_ranks(flag: bool) -> bool:
+    """True when ``flag`` holds on every rank (one all-reduce; just ``flag`` without a world)."""
+    if not comm.is_initialized() or comm.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    comm.all_reduce(t, op=comm.ReduceOp.MIN, label="ppo_experience")
+    return bool(t.item() == 1.0)

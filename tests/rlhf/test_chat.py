@@ -1,0 +1,124 @@
+"""DeepSpeed-Chat's three steps, a few steps each on 2 ranks (tests/rlhf/_chat_workloads.py),
+and the preference-data path (records, data_split, per-step examples, bad input)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from slipstream.config import ConfigError
+from slipstream.rlhf import (
+    PPOConfig,
+    check_same_tokenizer,
+    load_preference_records,
+    pair_batch,
+    prompt_batch,
+    sft_batch,
+    split_for_step,
+)
+from tests.rlhf._chat_workloads import EOS, PAD, CharTokenizer, records
+from tests.rlhf._hybrid_workloads import result
+
+
+def test_step1_sft_lowers_the_loss(rlhf_world):
+    for r in result(rlhf_world, "chat"):
+        losses = r["sft_losses"]
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, losses
+
+
+def test_step2_reward_model_learns_the_preference(rlhf_world):
+    for r in result(rlhf_world, "chat"):
+        losses = r["rm_losses"]
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+        assert losses[0] == pytest.approx(math.log(2.0), abs=0.1)  # an untrained head
+
+
+def test_step3_ppo_trains_actor_and_critic_with_frozen_reference_and_reward(rlhf_world):
+    """Three PPO steps, actor and critic at ZeRO-3, generation through the hybrid engine:
+    finite metrics; KL exactly 0 on the first batch (actor = reference), positive after;
+    the actor moved, the reference and reward model did not; the EMA moved a little, less
+    than the actor."""
+    for r in result(rlhf_world, "chat"):
+        ppo = r["ppo"]
+        assert all(m is not None for m in ppo)
+        for m in ppo:
+            for value in (m.reward_mean, m.kl, m.actor_loss, m.critic_loss, m.entropy):
+                assert math.isfinite(value)
+            assert m.response_length > 1.0
+        assert ppo[0].kl == 0.0 and ppo[2].kl != 0.0
+        assert r["actor_moved"] > 0 and r["reference_kept"] and r["reward_kept"]
+        assert 0 < r["ema_moved"] < r["actor_moved"]
+
+
+# ------------------------------------------------------------------------- data
+
+
+def test_records_load_from_a_directory_with_leading_spaces(tmp_path):
+    rows = [{"prompt": "Human: 31 Assistant:", "chosen": "13", "rejected": "31"}]
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+    (tmp_path / "eval.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    (rec,) = load_preference_records(tmp_path)
+    assert (rec.prompt, rec.chosen, rec.rejected) == (" Human: 31 Assistant:", " 13", " 31")
+    assert load_preference_records(tmp_path, "eval") == [rec]
+
+
+def test_missing_fields_and_files_are_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a"}]))
+    with pytest.raises(ConfigError, match=r"record 1 has no 'chosen', 'rejected'"):
+        load_preference_records(bad)
+    with pytest.raises(ConfigError, match=r"has no train\.json or train\.jsonl"):
+        load_preference_records(tmp_path)
+
+
+def test_data_split_is_disjoint_covering_and_deterministic():
+    data = records(50, seed=3)
+    parts = [split_for_step(data, step, "2,4,4", seed=11) for step in (1, 2, 3)]
+    assert [len(p) for p in parts] == [10, 20, 20]
+    ids = [id(r) for p in parts for r in p]
+    assert len(set(ids)) == 50
+    assert split_for_step(data, 2, "2,4,4", seed=11) == parts[1]
+    assert split_for_step(data, 2, "2,4,4", seed=12) != parts[1]
+    with pytest.raises(ConfigError, match="data_split='2,4'"):
+        split_for_step(data, 1, "2,4")
+
+
+def test_examples_follow_deepspeed_chat():
+    """Step 1: prompt + chosen + EOS, labels -100 on padding only; step 2: the answer mask
+    covers chosen/rejected and EOS; step 3: left-padded so every answer starts at P."""
+    tok = CharTokenizer()
+    recs = records(3, seed=1)
+    sft = sft_batch(tok, recs, 12)
+    want = [*tok.encode(recs[0].prompt + recs[0].chosen), EOS]
+    assert sft.input_ids[0, : len(want)].tolist() == want
+    assert (sft.labels == -100).equal(sft.attention_mask == 0)
+    pairs = pair_batch(tok, recs, 12)
+    n_prompt = len(tok.encode(recs[0].prompt))
+    assert pairs.chosen_answer[0].tolist() == [0] * n_prompt + [1] * 6 + [0] * (6 - n_prompt)
+    prompts = prompt_batch(tok, recs, 8)
+    assert prompts.input_ids.shape == (3, 8)
+    assert torch.all(prompts.attention_mask[:, -1] == 1)
+    assert prompts.input_ids[0, : 8 - n_prompt].eq(PAD).all()
+
+
+def test_too_long_prompts_are_refused_or_dropped():
+    tok, recs = CharTokenizer(), records(3, seed=1)
+    with pytest.raises(ConfigError, match=r"record 0 .* 6 tokens, longer than max_prompt_len=4"):
+        prompt_batch(tok, recs, 4)
+    with pytest.raises(ConfigError, match="no prompt of 3 fits"):
+        prompt_batch(tok, recs, 4, drop_long_prompts=True)
+
+
+def test_a_reward_tokenizer_unlike_the_actors_is_refused():
+    texts = [r.prompt for r in records(2, seed=1)]
+    check_same_tokenizer(CharTokenizer(), CharTokenizer(), texts)
+    with pytest.raises(ConfigError, match=r"encode ' .*' differently"):
+        check_same_tokenizer(CharTokenizer(), CharTokenizer(offset=4), texts)
+
+
+def test_ppo_config_refuses_one_token_answers():
+    with pytest.raises(ConfigError, match="max_new_tokens=1"):
+        PPOConfig(max_new_tokens=1)
