@@ -421,27 +421,34 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         return None
 
     def _accumulate_loss(self, loss: torch.Tensor) -> None:
-        """Sum the micro-batch losses of the accumulation window on the device (no sync)."""
-        loss = loss.float()
-        self._window_loss = loss if self._window_loss is None else self._window_loss + loss
+        """Sum the micro-batch losses of the accumulation window on the device (no sync).
+
+        The first loss is copied (in fp32): the caller still holds it and may change it in
+        place (``dist.all_reduce(loss)`` for logging); each later sum is a new tensor.
+        """
+        if self._window_loss is None:
+            self._window_loss = loss.clone() if loss.dtype == torch.float32 else loss.float()
+        else:
+            self._window_loss = self._window_loss + loss
         self._window_micro += 1
 
     def _write_monitor(self) -> None:
         """DeepSpeed's per-step events at ``global_samples`` (after this step): the mean loss
         of the window, the lr of the first param group and, with fp16, the loss scale.
 
-        The loss stays a device tensor: the monitor copies it to the host asynchronously.
+        The loss stays a device tensor that only the engine holds (``_accumulate_loss``), so
+        it goes to the monitor uncopied: the monitor reads it in its next once-a-second batch.
         """
         step = self.global_samples
         events: list[tuple[str, Any, int]] = []
         if self._window_loss is not None:
-            mean = self._window_loss / self._window_micro
-            events.append(("Train/Samples/train_loss", mean, step))
+            loss, micro = self._window_loss, self._window_micro
+            events.append(("Train/Samples/train_loss", loss / micro if micro > 1 else loss, step))
         events.append(("Train/Samples/lr", self.get_lr()[0], step))
         if self.fp16_enabled():
             events.append(("Train/Samples/loss_scale", self._require_optimizer().loss_scale, step))
         self._window_loss, self._window_micro = None, 0
-        self.monitor.write_events(events)
+        self.monitor.write_owned_events(events)
 
     def _maybe_print(self) -> None:
         every = self.config.steps_per_print

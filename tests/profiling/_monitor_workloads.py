@@ -50,14 +50,19 @@ def train(out_dir: str, steps: int, *, fp16: bool = False, gas: int = 2) -> dict
     g = torch.Generator().manual_seed(100 + rank)
     expected: dict[str, list[tuple[int, float]]] = {}
     window: list[float] = []
+    walls: list[tuple[int, float]] = [(0, time.time())]  # (step, wall time right after it)
     for _ in range(steps * gas):
         t = torch.randint(0, 256, (2, 17), generator=g)
         loss = engine(t[:, :-1], t[:, 1:])
         window.append(float(loss.detach()))
         engine.backward(loss)
         engine.step()
+        # An in-place change after the step (an all-reduce for logging) must not reach the
+        # monitor, which reads the loss up to a second later.
+        loss.detach().add_(1000.0)
         if len(window) == gas:
             step = engine.global_samples
+            walls.append((step, time.time()))
             expected.setdefault("Train/Samples/train_loss", []).append((step, sum(window) / gas))
             expected.setdefault("Train/Samples/lr", []).append((step, engine.get_lr()[0]))
             if fp16:
@@ -67,6 +72,7 @@ def train(out_dir: str, steps: int, *, fp16: bool = False, gas: int = 2) -> dict
     return {
         "rank": rank,
         "expected": expected,
+        "walls": walls,
         "enabled": engine.monitor.enabled,
         "active": engine.monitor.active,
         "engine": engine,

@@ -16,6 +16,7 @@ import torch
 from slipstream.config import ConfigError, parse_config
 from slipstream.config.monitor import CometConfig, CSVMonitorConfig, WandbConfig
 from slipstream.profiling import MonitorMaster
+from slipstream.profiling.monitor import ScalarEvent, WandbMonitor
 from tests.distributed.harness import run_world
 from tests.profiling import _monitor_workloads as w
 
@@ -37,12 +38,28 @@ def _read_csv(job_dir: Path) -> dict[str, tuple[list[str], list[tuple[int, float
     return out
 
 
-def _read_tensorboard(job_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def _tensorboard_events(job_dir: Path) -> EventAccumulator:
     files = list(job_dir.glob("events.out.tfevents.*"))
     assert len(files) == 1, files
     acc = EventAccumulator(str(files[0]))
     acc.Reload()
+    return acc
+
+
+def _read_tensorboard(job_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = _tensorboard_events(job_dir)
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def _check_wall_times(out: Path, walls: list[tuple[int, float]]) -> None:
+    """Each TensorBoard scalar carries the wall time of its step, not of the (later) write:
+    after the previous step ended and before its own step returned."""
+    acc = _tensorboard_events(out / "tb" / "run")
+    for tag in TAGS:
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [s for s, _ in walls[1:]]
+        for event, (_, before), (_, after) in zip(events, walls[:-1], walls[1:], strict=True):
+            assert before <= event.wall_time <= after
 
 
 def _check_files(out: Path, expected: dict[str, list[tuple[int, float]]]) -> None:
@@ -73,6 +90,7 @@ def test_engine_writes_deepspeed_events_fp16(tmp_path: Path) -> None:
     assert [s for s, _ in expected["Train/Samples/lr"]] == [4, 8, 12]
     assert len({v for _, v in expected["Train/Samples/lr"]}) == 3  # the warmup moves it
     _check_files(tmp_path, expected)
+    _check_wall_times(tmp_path, result["walls"])
 
 
 def test_two_ranks_only_rank0_writes_and_flushes_at_exit(tmp_path: Path) -> None:
@@ -87,6 +105,7 @@ def test_two_ranks_only_rank0_writes_and_flushes_at_exit(tmp_path: Path) -> None
     expected = results[0]["expected"]
     assert [s for s, _ in expected["Train/Samples/lr"]] == [8, 16]  # micro 2 x gas 2 x dp 2
     _check_files(tmp_path, expected)
+    _check_wall_times(tmp_path, results[0]["walls"])
     # The pipeline engine logs train_batch's loss (the same on every stage) at 4, 8 samples.
     assert results[0]["pipe_losses"] == results[1]["pipe_losses"]
     header, rows = _read_csv(tmp_path / "pipe")["Train_Samples_train_loss.csv"]
@@ -124,11 +143,67 @@ def test_write_events_does_not_wait_for_the_writer(tmp_path: Path) -> None:
     assert gate.seen == []
     gate.release.set()
     monitor.close()
-    assert gate.seen == [("a", 1.5, 1), ("a", 2.5, 2)]
+    assert [(e.name, e.value, e.step) for e in gate.seen] == [("a", 1.5, 1), ("a", 2.5, 2)]
     assert _read_csv(tmp_path / "DeepSpeedJobName")["a.csv"] == (
         ["step", "a"],
         [(1, 1.5), (2, 2.5)],
     )
+
+
+class _Batches:
+    """A backend that keeps every batch it is given, as it is given."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, float, int]]] = []
+
+    def write(self, events: Any) -> None:
+        self.batches.append([(e.name, e.value, e.step) for e in events])
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_staged_values_of_every_dtype_arrive_exact(tmp_path: Path) -> None:
+    """Events written within the interval reach the writer as one batch (at the latest on
+    flush), their tensor values stacked per dtype and read back exactly."""
+    config = CSVMonitorConfig(enabled=True, output_path=str(tmp_path))
+    monitor = MonitorMaster(csv_monitor=config, write_interval=3600.0)
+    sink = _Batches()
+    monitor.backends.append(sink)
+    monitor.write_events([("a", torch.tensor(0.25), 1)])  # the first write goes at once
+    big = 2**40 + 1  # exact only if int64 values are not squeezed through a float32
+    monitor.write_events([("a", torch.tensor([1.5]), 2), ("n", torch.tensor(big), 2)])
+    half = torch.tensor(0.1, dtype=torch.bfloat16)
+    monitor.write_events([("h", half, 3), ("x", 7, 3), ("f", torch.tensor(2.0**-20), 3)])
+    monitor.flush()
+    later = [("a", 1.5, 2), ("n", float(big), 2), ("h", float(half), 3), ("x", 7.0, 3)]
+    later.append(("f", 2.0**-20, 3))
+    assert sink.batches[-1][-len(later) :] == later  # staged together until the flush
+    assert [e for b in sink.batches for e in b] == [("a", 0.25, 1), *later]
+    monitor.close()
+
+
+def test_wandb_logs_one_row_per_step() -> None:
+    """The events of a step go to W&B in one log call (one history row)."""
+    calls: list[tuple[dict[str, float], int]] = []
+
+    class Run:
+        def log(self, row: dict[str, float], step: int) -> None:
+            calls.append((row, step))
+
+    backend = WandbMonitor.__new__(WandbMonitor)  # no wandb needed for the grouping
+    backend.run = Run()
+    backend.write(
+        [
+            ScalarEvent("a", 1.0, 4, 0.0),
+            ScalarEvent("b", 2.0, 4, 0.0),
+            ScalarEvent("a", 3.0, 8, 1.0),
+        ]
+    )
+    assert calls == [({"a": 1.0, "b": 2.0}, 4), ({"a": 3.0}, 8)]
 
 
 def test_bad_events_and_writer_failures_are_errors(tmp_path: Path) -> None:
