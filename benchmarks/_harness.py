@@ -52,10 +52,12 @@ __all__ = [
     "FrameworkResult",
     "PeakMemory",
     "RankResult",
+    "Switchable",
     "Trainer",
     "WorldOutcome",
     "optimizer_state_bytes",
     "run_framework",
+    "run_interleaved",
     "spawn_world",
     "token_batch",
     "warm_imports",
@@ -116,6 +118,16 @@ class Trainer(Protocol):
         ...
 
 
+class Switchable(Trainer, Protocol):
+    """A trainer whose feature under test can be turned on and off between steps, so one
+    process measures both (``run_interleaved``)."""
+
+    def set_variant(self, on: bool) -> None:
+        """Turn the feature on or off; turning it off first finishes the work it still owes
+        (this call is timed and charged to the block it ends)."""
+        ...
+
+
 class Framework(Protocol):
     """A peer: how to import it (before the memory baseline) and wrap a model."""
 
@@ -145,6 +157,11 @@ class RankResult:
     optim_state_bytes: int
     losses: list[float]
     """Loss of every step, warmup included."""
+    blocks: list[tuple[bool, float, float]] = field(default_factory=list)
+    """Interleaved runs only: (feature on, wall ms, CPU ms) of every timed block in order. The
+    wall time is the block's step times plus the switch that ends it; the CPU time is the
+    process's (all its threads) over the same span, barriers included, which a busy machine
+    disturbs far less than the wall time."""
 
 
 @dataclass
@@ -194,10 +211,31 @@ class FrameworkResult:
         """Last loss averaged over ranks (a parity check across frameworks)."""
         return statistics.fmean(r.losses[-1] for r in self.ranks)
 
+    @property
+    def on_off_ratios(self) -> list[float]:
+        """Interleaved runs: per repeat, the on block's wall time over the off block's
+        (slowest rank of each); empty otherwise."""
+        return self._ratios(1)
+
+    @property
+    def on_off_cpu_ratios(self) -> list[float]:
+        """As ``on_off_ratios`` for the CPU time (the rank that spent the most)."""
+        return self._ratios(2)
+
+    def _ratios(self, column: int) -> list[float]:
+        per_rank = [[block[column] for block in r.blocks] for r in self.ranks]
+        flags = [block[0] for block in self.ranks[0].blocks] if self.ranks else []
+        slowest = [max(col) for col in zip(*per_rank, strict=True)]
+        on = [ms for flag, ms in zip(flags, slowest, strict=True) if flag]
+        off = [ms for flag, ms in zip(flags, slowest, strict=True) if not flag]
+        return [a / b for a, b in zip(on, off, strict=True)]
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "error": self.error, "detail": self.detail}
         out["ranks"] = [asdict(r) for r in self.ranks]
         if self.ok:
+            out["on_off_ratios"] = self.on_off_ratios
+            out["on_off_cpu_ratios"] = self.on_off_cpu_ratios
             for key in ("median_ms", "p10_ms", "p90_ms", "tokens_per_s", "peak_mem_bytes"):
                 out[key] = getattr(self, key)
             out["optim_state_bytes"] = self.optim_state_bytes
@@ -218,6 +256,28 @@ def run_framework(
     module-level objects (or partials of them).
     """
     outcome = spawn_world(name, cfg, partial(_train_rank, framework, cfg, model_factory))
+    if not outcome.ok:
+        return FrameworkResult(name, error=outcome.error, detail=outcome.detail)
+    return FrameworkResult(name, ranks=[RankResult(**record) for record in outcome.records])
+
+
+def run_interleaved(
+    name: str,
+    framework: Framework,
+    cfg: BenchConfig,
+    model_factory: Callable[[], nn.Module],
+    repeats: int,
+) -> FrameworkResult:
+    """Measure a feature's cost in one world: ``repeats`` pairs of blocks of ``cfg.steps``
+    steps, feature off then on (on then off in every other pair, so a drift in machine load
+    hits both alike), on the same model and trainer, whose ``build`` returns a ``Switchable``.
+
+    The ranks' ``step_ms`` are the steps with the feature on; ``FrameworkResult.on_off_ratios``
+    compares whole blocks, so work the feature does once in a while (a writer thread waking
+    once a second) counts, which a median of step times would miss.
+    """
+    body = partial(_train_rank_interleaved, framework, cfg, model_factory, repeats)
+    outcome = spawn_world(name, cfg, body)
     if not outcome.ok:
         return FrameworkResult(name, error=outcome.error, detail=outcome.detail)
     return FrameworkResult(name, ranks=[RankResult(**record) for record in outcome.records])
@@ -370,6 +430,53 @@ def _train_rank(
         times.append(seconds * 1e3)
     peak = memory.peak_bytes()
     return asdict(_summarize(rank, cfg, times, losses, peak, memory, trainer.optimizer))
+
+
+def _train_rank_interleaved(
+    framework: Framework,
+    cfg: BenchConfig,
+    model_factory: Callable[[], nn.Module],
+    repeats: int,
+    rank: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    framework.prepare(cfg)
+    warm_imports(model_factory)
+    memory = PeakMemory(device)
+    torch.manual_seed(cfg.seed)
+    model = model_factory().to(device)
+    trainer = framework.build(model, cfg)
+    if not hasattr(trainer, "set_variant"):
+        raise TypeError(f"{type(trainer).__name__} has no set_variant: it cannot be interleaved")
+    input_ids, labels = token_batch(cfg, rank, device)
+    losses = []
+    for on in (True, False):  # warm both paths (the feature's threads and files too)
+        trainer.set_variant(on)
+        losses += [_step(trainer, input_ids, labels, device)[0] for _ in range(cfg.warmup)]
+    memory.reset_peak()
+    on_times: list[float] = []
+    blocks: list[tuple[bool, float, float]] = []
+    order = [(False, True) if r % 2 == 0 else (True, False) for r in range(repeats)]
+    variants = [on for pair in order for on in pair]
+    trainer.set_variant(variants[0])
+    for i, on in enumerate(variants):
+        times = []
+        cpu_start = time.process_time()
+        for _ in range(cfg.steps):
+            dist.barrier()
+            loss, seconds = _step(trainer, input_ids, labels, device)
+            losses.append(loss)
+            times.append(seconds * 1e3)
+        start = time.perf_counter()
+        trainer.set_variant(variants[i + 1] if i + 1 < len(variants) else False)
+        wall_ms = sum(times) + (time.perf_counter() - start) * 1e3
+        blocks.append((on, wall_ms, (time.process_time() - cpu_start) * 1e3))
+        if on:
+            on_times += times
+    peak = memory.peak_bytes()
+    result = _summarize(rank, cfg, on_times, losses, peak, memory, trainer.optimizer)
+    result.blocks = blocks
+    return asdict(result)
 
 
 def warm_imports(model_factory: Callable[[], nn.Module]) -> None:

@@ -41,6 +41,9 @@ class Peer:
     """Imports the framework before the memory baseline (on every rank)."""
     unavailable_fn: Callable[[], str | None] | None = None
     """Says why the framework cannot run here (in the parent), or None."""
+    interleaved: bool = False
+    """The row measures a feature's cost: ``build`` returns a ``Switchable`` trainer and the
+    feature is turned off and on in one world (``benchmarks._harness.run_interleaved``)."""
 
     def prepare(self, cfg: BenchConfig) -> None:
         if self.prepare_fn is not None:
@@ -85,6 +88,22 @@ class _EngineTrainer:
         self.engine.backward(loss)
         self.engine.step()
         return loss
+
+
+class _MonitorSwitchTrainer(_EngineTrainer):
+    """An engine whose monitors are switched off and on between steps: off swaps in a
+    ``MonitorMaster`` with no monitor, which is what a config without monitor blocks builds.
+    Switching off first flushes, so the events still queued are charged to the "on" block."""
+
+    def __init__(self, engine: Any, optimizer: Any) -> None:
+        super().__init__(engine, optimizer)
+        self._monitor = engine.monitor
+        self._no_monitor = type(engine.monitor)()
+
+    def set_variant(self, on: bool) -> None:
+        if not on and self.engine.monitor is self._monitor:
+            self._monitor.flush()
+        self.engine.monitor = self._monitor if on else self._no_monitor
 
 
 # --------------------------------------------------------------------------- torch-native
@@ -218,7 +237,7 @@ def _build_slipstream(
     model: nn.Module, cfg: BenchConfig, *, stage: int, monitors: bool = False
 ) -> Trainer:
     """``monitors``: TensorBoard and CSV monitors on (into a temporary directory), to measure
-    what writing the per-step events costs."""
+    what writing the per-step events costs; the trainer can switch them off and on."""
     import tempfile
 
     import slipstream
@@ -231,7 +250,7 @@ def _build_slipstream(
         config["tensorboard"] = {"enabled": True, "output_path": out, "job_name": "tb"}
         config["csv_monitor"] = {"enabled": True, "output_path": out, "job_name": "csv"}
     engine, optimizer, _, _ = slipstream.initialize(model=model, config=config)
-    return _EngineTrainer(engine, optimizer)
+    return (_MonitorSwitchTrainer if monitors else _EngineTrainer)(engine, optimizer)
 
 
 # --------------------------------------------------------------------------- registry
@@ -257,6 +276,7 @@ PEERS: dict[str, Peer] = {
         partial(_build_slipstream, stage=2, monitors=True),
         _prepare_slipstream,
         _slipstream_unavailable,
+        interleaved=True,
     ),
 }
 """Every framework the benchmark knows, by its ``--frameworks`` name."""
@@ -267,6 +287,7 @@ def reference_for(name: str) -> str | None:
     prefix = "slipstream-"
     if not name.startswith(prefix):
         return None
-    if name.endswith("-monitors"):  # compared with slipstream without monitors
-        return name[: -len("-monitors")]
+    peer = PEERS.get(name)
+    if peer is not None and peer.interleaved:  # compared with itself, the feature off
+        return None
     return "deepspeed-" + name[len(prefix) :]

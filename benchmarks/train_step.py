@@ -16,6 +16,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from benchmarks._harness import BenchConfig, FrameworkResult, run_framework
+from benchmarks._harness import BenchConfig, FrameworkResult, run_framework, run_interleaved
 from benchmarks._peers import PEERS, reference_for
 from slipstream.models import GPT, GPTConfig
 
@@ -50,9 +51,12 @@ def build_gpt(preset: str, seq: int) -> GPT:
 
 
 def run(
-    frameworks: Sequence[str], cfg: BenchConfig, preset: str, log: bool = True
+    frameworks: Sequence[str], cfg: BenchConfig, preset: str, log: bool = True, repeats: int = 5
 ) -> list[FrameworkResult]:
-    """Run each framework in its own world, in order; failures are returned, not raised."""
+    """Run each framework in its own world, in order; failures are returned, not raised.
+
+    An interleaved row (``slipstream-z2-monitors``) runs ``repeats`` off/on pairs of blocks of
+    ``cfg.steps`` steps in its one world."""
     factory = partial(build_gpt, preset, cfg.seq)
     results = []
     for name in frameworks:
@@ -63,7 +67,10 @@ def run(
         if reason:
             results.append(FrameworkResult(name, error=f"unavailable ({reason})"))
             continue
-        results.append(run_framework(name, peer, cfg, factory))
+        if peer.interleaved:
+            results.append(run_interleaved(name, peer, cfg, factory, repeats))
+        else:
+            results.append(run_framework(name, peer, cfg, factory))
     return results
 
 
@@ -84,7 +91,12 @@ def format_table(results: Sequence[FrameworkResult]) -> str:
         ref_name = reference_for(r.name)
         ref = by_name.get(ref_name) if ref_name else None
         t_ddp = _ratio(r.median_ms, ddp.median_ms if ddp else None)
-        t_ds = _ratio(r.median_ms, ref.median_ms if ref else None)
+        ratios = r.on_off_ratios
+        t_ds = (
+            f"{statistics.median(ratios):.3f}"
+            if ratios
+            else _ratio(r.median_ms, ref.median_ms if ref else None)
+        )
         m_ds = _ratio(r.peak_mem_bytes, ref.peak_mem_bytes if ref else None)
         spread = f"{r.p10_ms:.0f}-{r.p90_ms:.0f}"
         lines.append(
@@ -92,7 +104,23 @@ def format_table(results: Sequence[FrameworkResult]) -> str:
             f"{r.peak_mem_bytes / _MB:>8.0f} {r.optim_state_bytes / _MB:>8.1f} "
             f"{r.final_loss:>7.4f} {t_ddp:>6} {t_ds:>6} {m_ds:>6}"
         )
+    lines += [_interleaved_line(r) for r in results if r.ok and r.on_off_ratios]
     return "\n".join(lines)
+
+
+def _interleaved_line(r: FrameworkResult) -> str:
+    """The spread of an interleaved row: every repeat's on/off ratio, wall and CPU time."""
+
+    def spread(ratios: list[float]) -> str:
+        return (
+            f"median {statistics.median(ratios):.4f} (min {min(ratios):.4f}, max "
+            f"{max(ratios):.4f}; each: {', '.join(f'{x:.3f}' for x in ratios)})"
+        )
+
+    return (
+        f"{r.name}: on/off over {len(r.on_off_ratios)} interleaved repeats: wall time "
+        f"{spread(r.on_off_ratios)}; process CPU time {spread(r.on_off_cpu_ratios)}"
+    )
 
 
 def _ratio(value: float, reference: float | None) -> str:
@@ -130,6 +158,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="interleaved rows (slipstream-z2-monitors): off/on pairs of --steps steps each",
+    )
     parser.add_argument("--frameworks", default=DEFAULT_FRAMEWORKS, help="comma-separated")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast / bf16.enabled")
@@ -168,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bucket=int(args.bucket),
     )
     env = _environment(cfg, args.preset)
-    results = run(args.frameworks, cfg, args.preset)
+    results = run(args.frameworks, cfg, args.preset, repeats=args.repeats)
     print(
         f"GPT {args.preset} ({env['params'] / 1e6:.1f}M params), world {cfg.world} "
         f"({cfg.device}, {env['threads_per_rank']} threads/rank), batch {cfg.batch}x{cfg.seq} "
@@ -180,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         "peak MB: per-rank peak memory over the timed steps above the pre-model baseline; "
         "t/ddp, t/ds, mem/ds: ratios to ddp and to the deepspeed row of the same ZeRO stage "
-        "(slipstream-z2-monitors: to slipstream-z2, i.e. the cost of TensorBoard + CSV monitors)"
+        "(slipstream-z2-monitors: TensorBoard + CSV monitors on over off, median over "
+        "interleaved repeats in one world, step ms with them on)"
     )
     if args.json:
         payload = {

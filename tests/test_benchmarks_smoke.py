@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
-from benchmarks._harness import BenchConfig, run_framework
+from benchmarks._harness import BenchConfig, run_framework, run_interleaved
 from benchmarks._peers import PEERS
 from benchmarks.train_step import build_gpt, format_table
 
@@ -28,3 +28,21 @@ def test_ddp_world_of_two_reports_sane_timing_memory_and_optimizer_state() -> No
         assert len(rank.losses) == cfg.warmup + cfg.steps
         assert all(math.isfinite(loss) for loss in rank.losses)
     assert "ddp" in format_table([result])
+
+
+def test_interleaved_row_switches_the_monitors_off_and_on() -> None:
+    """The monitors row runs off/on blocks in one world (alternating order) and reports one
+    on/off ratio per repeat, wall and CPU; the losses keep going down one trajectory."""
+    cfg = BenchConfig(world=1, batch=2, seq=16, steps=2, warmup=1, timeout_s=120)
+    peer = PEERS["slipstream-z2-monitors"]
+    result = run_interleaved("m", peer, cfg, partial(build_gpt, "tiny", cfg.seq), repeats=2)
+
+    assert result.ok, f"{result.error}\n{result.detail}"
+    (rank,) = result.ranks
+    assert [on for on, _, _ in rank.blocks] == [False, True, True, False]
+    assert all(wall > 0 and cpu > 0 for _, wall, cpu in rank.blocks)
+    assert len(rank.step_ms) == 2 * cfg.steps  # the "on" steps
+    assert len(rank.losses) == 2 * cfg.warmup + 4 * cfg.steps
+    for ratios in (result.on_off_ratios, result.on_off_cpu_ratios):
+        assert len(ratios) == 2 and all(math.isfinite(r) and r > 0 for r in ratios)
+    assert "on/off over 2 interleaved repeats" in format_table([result])
