@@ -1,8 +1,8 @@
 """Training monitors: TensorBoard, CSV, Weights & Biases and Comet behind DeepSpeed's
 ``MonitorMaster.write_events([(name, value, step), ...])``.
 
-Only global rank 0 writes, and writing costs the training step almost nothing (under 1% of
-even a 7 ms step; docs/observability.md has the measurements):
+Only global rank 0 writes, and writing costs the training step little (under 1% of even
+the tiny GPT's step; docs/observability.md has the measurements):
 
 - ``write_events`` only checks the events and stages them; a tensor value is snapshotted on
   its device (one copy, no synchronization) and stays there.
