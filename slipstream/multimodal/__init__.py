@@ -3,5 +3,28 @@
 interleaved multi-image conversations and their data blending. See docs/visualchat.md."""
 
 from slipstream.multimodal.attention import IMAGE, PAD, TEXT, MMCAMode, mmca_attention
+from slipstream.multimodal.lm import (
+    ExtendedEmbedding,
+    MMCACore,
+    TokenTypes,
+    register_hf_mmca,
+    use_mmca_,
+)
+from slipstream.multimodal.model import Assembled, VisionEncoder, VisualChat, VisualChatConfig
 
-__all__ = ["IMAGE", "PAD", "TEXT", "MMCAMode", "mmca_attention"]
+__all__ = [
+    "IMAGE",
+    "PAD",
+    "TEXT",
+    "Assembled",
+    "ExtendedEmbedding",
+    "MMCACore",
+    "MMCAMode",
+    "TokenTypes",
+    "VisionEncoder",
+    "VisualChat",
+    "VisualChatConfig",
+    "mmca_attention",
+    "register_hf_mmca",
+    "use_mmca_",
+]
