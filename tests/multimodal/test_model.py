@@ -1,0 +1,175 @@
+"""VisualChat: MMCA inside GPT and HF LLaMA, input assembly, frozen parts, KV-cache chat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.models.gpt import GPT, GPTConfig
+from slipstream.models.vit import ViTSegConfig, ViTSegmenter
+from slipstream.multimodal import IMAGE, PAD, TEXT, VisualChat, VisualChatConfig, use_mmca_
+
+IMG = 40  # placeholder id, beyond the LM vocabulary of 40
+VIT = ViTSegConfig.preset("tiny", patch_size=4, in_channels=1, hidden_size=16, max_tokens=4)
+
+
+def _gpt(vocab: int = 40) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny", vocab_size=vocab, hidden_size=32, max_seq_len=64))
+
+
+def _llama():  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _chat(lm: torch.nn.Module, mode: str = "paper", new: int = 2) -> VisualChat:
+    torch.manual_seed(1)
+    cfg = VisualChatConfig(image_token_id=IMG, image_size=8, num_new_tokens=new, mmca_mode=mode)  # type: ignore[arg-type]
+    return VisualChat(ViTSegmenter(VIT), lm, cfg)
+
+
+def _batch():  # type: ignore[no-untyped-def]
+    ids = torch.tensor([[1, 2, IMG, 3, IMG, 4, 5, 6], [7, IMG, 8, 9, 10, 0, 0, 0]])
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    labels = torch.tensor([[-100] * 5 + [4, 5, 6], [-100] * 3 + [9, 10, -100, -100, -100]])
+    images = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    return ids, images, torch.tensor([2, 1]), mask, labels
+
+
+def test_mmca_cores_without_images_equal_the_plain_gpt_bitwise() -> None:
+    ids = torch.randint(0, 40, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = _gpt()(ids)
+    gpt = _gpt()
+    types = use_mmca_(gpt, "paper")
+    types.value = torch.full_like(ids, TEXT)
+    assert torch.equal(gpt(ids), plain)
+
+
+def test_hf_llama_mmca_without_images_equals_its_sdpa_attention() -> None:
+    lm = _llama()
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = lm(input_ids=ids).logits
+    chat = _chat(lm, new=0)
+    got = lm(input_ids=ids, token_types=torch.full_like(ids, TEXT)).logits
+    assert chat.lm.config._attn_implementation == "slipstream_mmca"
+    torch.testing.assert_close(got, ref)
+
+
+def test_assembly_replaces_placeholders_in_order_with_types_and_labels() -> None:
+    chat = _chat(_gpt())
+    ids, images, counts, mask, labels = _batch()
+    a = chat.assemble(ids, images, counts, mask, labels)
+    n = chat.vision.num_tokens  # 4 tokens per 8x8 image with 4x4 patches
+    assert a.embeds.shape[1] % 8 == 0 and a.embeds.shape[1] >= 8 + 2 * (n - 1)
+    want0 = [TEXT, TEXT] + [IMAGE] * n + [TEXT] + [IMAGE] * n + [TEXT] * 3
+    assert a.token_types[0, : len(want0)].tolist() == want0
+    assert (a.token_types[0, len(want0) :] == PAD).all()
+    want1 = [TEXT] + [IMAGE] * n + [TEXT] * 3
+    assert a.token_types[1, : len(want1)].tolist() == want1
+    assert (a.token_types[1, len(want1) :] == PAD).all()
+    feats = chat.projection(chat.vision(images))
+    torch.testing.assert_close(a.embeds[0, 2 : 2 + n], feats[0])
+    torch.testing.assert_close(a.embeds[0, 3 + n : 3 + 2 * n], feats[1])
+    torch.testing.assert_close(a.embeds[1, 1 : 1 + n], feats[2])
+    assert a.labels is not None
+    assert a.labels[0, len(want0) - 3 :].tolist()[:3] == [4, 5, 6]
+    assert (a.labels[a.token_types != TEXT] == -100).all()
+    assert a.labels[1, 1 + n + 1 : 1 + n + 3].tolist() == [9, 10]
+
+
+@pytest.mark.parametrize("mode", ["paper", "causal", "reference_code"])
+def test_only_projection_and_new_token_rows_get_gradients(mode: str) -> None:
+    chat = _chat(_gpt(), mode)
+    ids, images, counts, mask, labels = _batch()
+    ids[0, 0] = 41  # a new special token (row 1 of the trainable rows)
+    chat(ids, images, counts, labels, mask).backward()
+    trainable = {n for n, p in chat.named_parameters() if p.requires_grad}
+    assert trainable == {"embed.new_rows", "projection.0.weight", "projection.0.bias",
+                         "projection.1.weight", "projection.1.bias"}  # fmt: skip
+    assert all(p.grad is None for n, p in chat.named_parameters() if n not in trainable)
+    grad = chat.embed.new_rows.grad
+    assert grad is not None and grad[1].abs().sum() > 0 and grad[0].abs().sum() == 0
+    assert chat.projection[0].weight.grad.abs().sum() > 0  # type: ignore[union-attr]
+
+
+def test_modes_differ_only_where_images_are() -> None:
+    ids, images, counts, mask, labels = _batch()
+    with torch.no_grad():
+        losses = {m: _chat(_gpt(), m)(ids, images, counts, labels, mask).item() for m in
+                  ("paper", "causal", "reference_code")}  # fmt: skip
+    assert len(set(losses.values())) == 3
+    text_only = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    none = torch.zeros(0, 1, 8, 8)
+    same = {m: _chat(_gpt(), m)(text_only, none, torch.tensor([0]))[0] for m in ("paper", "causal")}
+    assert torch.equal(same["paper"], same["causal"])
+
+
+def test_bad_input_errors_name_the_sample() -> None:
+    chat = _chat(_gpt())
+    ids, images, counts, mask, labels = _batch()
+    names = ["conv-a", "conv-b"]
+    with pytest.raises(ValueError, match="sample 'conv-b' has 1 <image> placeholders but 2"):
+        chat(ids, torch.rand(4, 1, 8, 8), torch.tensor([2, 2]), labels, mask, names)
+    with pytest.raises(ValueError, match=r"images must be \[N, 1, 8, 8\].*got \(3, 3, 8, 8\)"):
+        chat(ids, torch.rand(3, 3, 8, 8), counts, labels, mask, names)
+    with pytest.raises(ValueError, match=r"images must be \[N, 1, 8, 8\].*got \(3, 1, 16, 16\)"):
+        chat(ids, torch.rand(3, 1, 16, 16), counts, labels, mask, names)
+    long = torch.cat([ids, torch.ones(2, 60, dtype=torch.long)], 1)
+    long_mask = torch.cat([mask, torch.ones(2, 60, dtype=torch.long)], 1)
+    with pytest.raises(ValueError, match=r"sample 'conv-a' is 74 tokens .* context of 64"):
+        chat(long, images, counts, None, long_mask, names)
+
+
+@pytest.mark.parametrize("lm", ["gpt", "llama"])
+def test_chat_generation_equals_full_recomputation(lm: str) -> None:
+    """Greedy decoding (KV cache for LLaMA) equals re-running the whole conversation."""
+    chat = _chat(_llama() if lm == "llama" else _gpt()).eval()
+    ids, images, counts, mask, _ = _batch()
+    ids, mask = ids[:1, :6], mask[:1, :6]
+    images, counts = images[:2], counts[:1]
+    new = chat.generate(ids, images, counts, max_new_tokens=5)
+    full = ids
+    for step in range(5):
+        with torch.no_grad():
+            logits = chat(full, images, counts)
+        a = chat.assemble(full, images, counts)
+        last = int((a.token_types[0] != PAD).nonzero().max())
+        token = logits[0, last].argmax()
+        assert int(token) == int(new[0, step])
+        full = torch.cat([full, token.view(1, 1)], 1)
+
+
+def test_engine_zero2_trains_only_the_projection_and_keeps_no_state_for_frozen_parts() -> None:
+    import slipstream
+
+    chat = _chat(_gpt())
+    frozen = {n: p.detach().clone() for n, p in chat.named_parameters() if not p.requires_grad}
+    trainable = [p for p in chat.parameters() if p.requires_grad]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, optimizer, _, _ = slipstream.initialize(
+        model=chat, model_parameters=trainable, config=config
+    )
+    ids, images, counts, mask, labels = _batch()
+    losses = []
+    for _ in range(6):
+        loss = engine(ids, images, counts, labels, mask)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = optimizer.state_bytes()  # type: ignore[union-attr]
+    # AdamW: exp_avg + exp_avg_sq in fp32 for the trainable numel only (+ step counters).
+    numel = sum(p.numel() for p in trainable)
+    assert 8 * numel <= state <= 8 * numel + 64 * len(trainable)
+    assert all(torch.equal(p, frozen[n]) for n, p in chat.named_parameters() if n in frozen)
+    assert losses[-1] < losses[0]
+    engine.destroy()
