@@ -147,6 +147,11 @@ class InferenceConfig(StrictModel):
     computes them in fp32 from the half-precision weights (faster where the CPU has no
     bf16 instructions), "native" uses the bf16/fp16 GEMM, "auto" picks "fp32" unless the
     CPU has AVX512-BF16 or AMX (``slipstream.inference.kernels``)."""
+    cpu_lm_head: Literal["packed", "native"] = "packed"
+    """(slipstream) How the LM head multiplies on the CPU: "packed" keeps fp32 copies of its
+    weight in the layouts the CPU GEMM kernels run fastest (one per row-count class, built
+    on first use: more memory, the head's size in fp32 each), "native" uses the module as
+    it is (``slipstream.inference.kernels``)."""
     finished_rows: Literal["drop", "mask"] = "drop"
     """(slipstream) What happens to a sequence that has ended while others go on: "drop"
     removes it from the batch and the cache (it stops costing compute), "mask" keeps

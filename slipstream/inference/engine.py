@@ -21,7 +21,11 @@ from slipstream.config._errors import ConfigError
 from slipstream.inference import generation
 from slipstream.inference.config import InferenceConfig, read_inference_config
 from slipstream.inference.generation import RankSync
-from slipstream.inference.kernels import fp32_gemm_for_half_weights_, native_half_gemm
+from slipstream.inference.kernels import (
+    fp32_gemm_for_half_weights_,
+    native_half_gemm,
+    pack_lm_head_,
+)
 from slipstream.inference.loading import load_weights
 from slipstream.inference.parallel import check_tensor_parallel, parallelize_for_inference
 
@@ -166,8 +170,11 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         quantize_(model, quant)
     half = cfg.torch_dtype in (torch.bfloat16, torch.float16)
     emulated = cfg.cpu_half_gemm == "auto" and not native_half_gemm()
-    if half and (cfg.cpu_half_gemm == "fp32" or emulated):
+    fp32_gemms = half and (cfg.cpu_half_gemm == "fp32" or emulated)
+    if fp32_gemms:
         fp32_gemm_for_half_weights_(model)
+    if cfg.cpu_lm_head == "packed" and quant is None and (fp32_gemms or not half):
+        pack_lm_head_(model)
     model.eval()
     model.requires_grad_(False)
     return InferenceEngine(model, cfg, sync)
