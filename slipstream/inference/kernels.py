@@ -138,7 +138,7 @@ def pack_lm_head_(model: nn.Module) -> bool:
     :class:`Fp32GemmLinear`) float linear layer on the CPU. Returns whether it did."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else getattr(model, "lm_head", None)
-    if type(head) not in (nn.Linear, Fp32GemmLinear):
+    if not isinstance(head, nn.Linear) or type(head) not in (nn.Linear, Fp32GemmLinear):
         return False
     weight = head.weight
     if weight.device.type != "cpu" or not weight.is_floating_point():
