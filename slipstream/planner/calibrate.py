@@ -3,7 +3,8 @@
 A few seconds of micro-benchmarks in ``nproc`` processes at once, each measuring what one rank
 gets while the others run: the GEMM rate for square matrices of a few sizes (the training
 dtype on an accelerator, fp32 on CPU, where each rank has ``cores // nproc`` threads), the
-device-memory copy bandwidth, and an all-reduce over the ``nproc`` processes (NCCL with a GPU
+rate of causal SDPA forward and backward against a GEMM of the same FLOPs (the attention
+core's efficiency), the device-memory copy bandwidth, and an all-reduce over the ``nproc`` processes (NCCL with a GPU
 each, gloo otherwise) at a small and a large message, whose fit to the ring model gives
 latency and bandwidth. A single machine has no
 inter-node link: the profile reuses the measured link for it and says so in ``sources``.
@@ -11,6 +12,7 @@ inter-node link: the profile reuses the measured link for it and says so in ``so
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -23,7 +25,7 @@ import torch
 
 from slipstream.planner.hardware import Hardware, LinkTier, local_profile_path
 
-__all__ = ["calibrate", "measure_allreduce", "measure_gemm"]
+__all__ = ["calibrate", "measure_allreduce", "measure_attention", "measure_gemm"]
 
 _SIZES = (256, 512, 1024)
 _SMALL, _LARGE = 1 << 12, 1 << 24  # all-reduce message bytes
@@ -74,6 +76,34 @@ def measure_gemm(
     return points
 
 
+def measure_attention(sync: Callable[[], None] | None = None) -> tuple[float, float]:
+    """``(GFLOP, TFLOP/s)`` of causal ``scaled_dot_product_attention`` forward and backward,
+    FLOPs counted as ``3 x 4 b s^2 (heads x head_dim)`` (unmasked, as the planner counts
+    them). A GPT-sized shape: on CPU batch 2, 8 heads of 64, 256 tokens in fp32; on a GPU
+    batch 2, 16 heads of 128, 2048 tokens in bf16."""
+    device = _device()
+    if device.type == "cuda":
+        b, heads, s, d, dtype = 2, 16, 2048, 128, torch.bfloat16
+    else:
+        b, heads, s, d, dtype = 2, 8, 256, 64, torch.float32
+    q, k, v = (
+        torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn(b, heads, s, d, device=device, dtype=dtype)
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    if sync is not None:
+        sync()
+    seconds = _timed(step, device)
+    flops = 3 * 4.0 * b * s * s * heads * d
+    return flops / 1e9, flops / seconds / 1e12
+
+
 def measure_memory_bandwidth(nbytes: int = 1 << 26) -> float:
     """GB/s of a device-memory copy (read + write counted)."""
     device = _device()
@@ -117,6 +147,7 @@ def _rank_worker(rank: int, nproc: int, port: int, queue: Any) -> None:
                           world_size=nproc)  # fmt: skip
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     result: dict[str, Any] = {"gemm": measure_gemm(sync=comm.barrier)}
+    result["attention"] = measure_attention(sync=comm.barrier)
     comm.barrier()
     result["memory_gbps"] = measure_memory_bandwidth()
     for nbytes in (_SMALL, _LARGE):
@@ -205,10 +236,12 @@ def calibrate(path: str | os.PathLike[str] | None = None, nproc: int | None = No
     ]
     slowest = max(ranks, key=lambda r: r[str(_LARGE)])
     latency, bandwidth = _fit_allreduce(slowest[str(_SMALL)], slowest[str(_LARGE)], nproc)
+    attention_gflop = ranks[0]["attention"][0]
+    attention_rate = min(r["attention"][1] for r in ranks)
     backend = "nccl" if on_gpu and torch.cuda.device_count() >= nproc else "gloo"
     gbps = bandwidth / 1e9
     share = "" if backend == "nccl" else f", {_threads_per_rank(nproc)} threads per rank"
-    profile = Hardware(
+    gemm_only = Hardware(
         name="local",
         peak_tflops=max(r for _, r in gemm),
         gemm_tflops=tuple(gemm),
@@ -224,6 +257,8 @@ def calibrate(path: str | os.PathLike[str] | None = None, nproc: int | None = No
         inter_node_latency_s=latency,
         inter_node_efficiency=1.0,
         host_bandwidth_gbps=gbps,
+        attention_efficiency=1.0,
+        reduce_scatter_scratch=backend == "gloo",
         sources={
             "peak_tflops": "measured: the best GEMM rate seen (no vendor peak is known here)",
             "gemm_tflops": f"measured: torch.mm of square {list(_SIZES)} matrices in each of "
@@ -237,8 +272,14 @@ def calibrate(path: str | os.PathLike[str] | None = None, nproc: int | None = No
             "the device count",
             "devices_per_node": f"the ranks calibrated ({nproc})",
             "memory_bytes": "the GPU's memory" if on_gpu else f"host memory / {nproc} ranks",
+            "reduce_scatter_scratch": f"the backend ({backend}): gloo's reduce-scatter "
+            "stages a copy of its input in slipstream",
+            "attention_efficiency": f"measured: causal SDPA forward + backward in each of "
+            f"{nproc} ranks at once (the slowest) over the GEMM rate at the same FLOPs",
         },
     )
+    efficiency = attention_rate * 1e12 / gemm_only.gemm_rate(attention_gflop)
+    profile = dataclasses.replace(gemm_only, attention_efficiency=round(efficiency, 4))
     target = Path(path) if path else local_profile_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")

@@ -78,6 +78,18 @@ class Hardware:
     """Fraction of ``node_bandwidth_gbps`` that collectives reach."""
     host_bandwidth_gbps: float
     """Host <-> device bandwidth per device (offload), GB/s."""
+    attention_efficiency: float = 1.0
+    """The attention core's rate (``Q K^T``, softmax, ``P V``, forward and backward through
+    SDPA, causal, FLOPs counted as if unmasked) as a fraction of a GEMM's of the same FLOPs.
+    1 for the published GPU profiles (not modelled separately there); measured by
+    ``slipstream plan --calibrate``: on a CPU the fused attention runs at well under the
+    GEMM rate."""
+    reduce_scatter_scratch: bool = False
+    """Whether slipstream's reduce-scatter on this machine's backend stages a copy of its
+    input: on gloo it is an all-to-all into a scratch buffer of the input's size plus a
+    local sum, and the buffer is kept for reuse, so ZeRO stages 2 and 3 hold up to two
+    gradient buckets more. False for NCCL/RCCL (the published profiles); set by
+    ``slipstream plan --calibrate`` on a CPU."""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     """Where each number comes from."""
 
@@ -133,6 +145,8 @@ class Hardware:
             "inter_node_latency_s": self.inter_node_latency_s,
             "inter_node_efficiency": self.inter_node_efficiency,
             "host_bandwidth_gbps": self.host_bandwidth_gbps,
+            "attention_efficiency": self.attention_efficiency,
+            "reduce_scatter_scratch": self.reduce_scatter_scratch,
             "sources": dict(self.sources),
         }
 
@@ -141,7 +155,8 @@ class Hardware:
         """Parse a profile; a missing or unknown key is an error naming it and ``origin``."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
-        missing = sorted(known - set(data) - {"sources"})
+        optional = {"sources", "attention_efficiency", "reduce_scatter_scratch"}
+        missing = sorted(known - set(data) - optional)
         if unknown or missing:
             raise ValueError(
                 f"hardware {origin}: unknown keys {unknown}, missing keys {missing}; "
@@ -153,7 +168,12 @@ class Hardware:
             raise ValueError(f"hardware {origin}: gemm_tflops and intra_node must not be empty")
         if any(r <= 0 for _, r in points) or any(g <= 0 for g, _ in points):
             raise ValueError(f"hardware {origin}: gemm_tflops points must be positive: {points}")
-        fields = {k: data[k] for k in known - {"gemm_tflops", "intra_node", "sources"}}
+        if not float(data.get("attention_efficiency", 1.0)) > 0:
+            raise ValueError(
+                f"hardware {origin}: attention_efficiency = {data['attention_efficiency']!r} "
+                "must be positive (1 = the attention core runs at the GEMM rate)"
+            )
+        fields = {k: data[k] for k in known - {"gemm_tflops", "intra_node", "sources"} if k in data}
         fields["memory_bytes"] = int(fields["memory_bytes"])
         fields["devices_per_node"] = int(fields["devices_per_node"])
         return cls(

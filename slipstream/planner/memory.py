@@ -223,7 +223,7 @@ def _activations(model: ModelSpec, layout: Layout, stage: str) -> int:
     return int(total)
 
 
-def _comm_buffers(model: ModelSpec, layout: Layout, numel: int) -> int:
+def _comm_buffers(model: ModelSpec, layout: Layout, numel: int, scratch: bool) -> int:
     """Transient buffers, as slipstream's ZeRO allocates them.
 
     Stages 0/1 reduce the gradient accumulation buffer in place (nothing extra); stage 2
@@ -231,25 +231,27 @@ def _comm_buffers(model: ModelSpec, layout: Layout, numel: int) -> int:
     shard (up to ``_STAGING`` buckets in flight); stage 3 holds the gathered weights of the
     layer in use and of the layers it prefetches (up to the prefetch bucket, at most
     ``_PREFETCH_UNITS`` of them) and stages each layer's gradients the same way; a pipeline
-    keeps send/recv buffers.
+    keeps send/recv buffers. With ``scratch`` (the backend's reduce-scatter copies its
+    input, gloo), the two buckets that may reduce at once each keep a scratch copy.
     """
     s, b, h = model.seq, layout.micro_batch, model.hidden
     a = layout.param_bytes
     total = 0
+    in_flight = _STAGING + (_STAGING - 1 if scratch else 0)
     if layout.dp > 1 and layout.zero_stage == 2:
-        total += min(_STAGING * _REDUCE_BUCKET, numel) * layout.grad_bytes
+        total += min(in_flight * _REDUCE_BUCKET, numel * (2 if scratch else 1)) * layout.grad_bytes
     if layout.zero_stage == 3:
         layer = model.params_per_layer() // layout.tp
         prefetch = min(_PREFETCH_BUCKET, _PREFETCH_UNITS * layer, numel)
         total += (layer + prefetch) * a
         if layout.dp > 1:
-            total += min(_STAGING * layer, numel) * layout.grad_bytes
+            total += min(in_flight * layer, numel * (2 if scratch else 1)) * layout.grad_bytes
     if layout.pp > 1:
         total += 4 * a * s * b * h * layout.virtual_stages
     return total
 
 
-def _stage_memory(model: ModelSpec, layout: Layout, stage: str) -> MemoryBreakdown:
+def _stage_memory(model: ModelSpec, layout: Layout, stage: str, scratch: bool) -> MemoryBreakdown:
     numel = stage_params(model, layout, stage)
     states = _states(numel, layout)
     device_params = states["params"] - (states["params"] - states["hpz_secondary"]
@@ -262,16 +264,22 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: str) -> MemoryBreakdo
         optimizer=on_device_opt,
         hpz_secondary=states["hpz_secondary"],
         activations=_activations(model, layout, stage),
-        comm_buffers=_comm_buffers(model, layout, numel),
+        comm_buffers=_comm_buffers(model, layout, numel, scratch),
         host=states["host"],
         nvme=states["nvme"],
     )
 
 
-def predict_memory(model: ModelSpec, layout: Layout) -> MemoryBreakdown:
-    """Per-device memory of the most loaded stage (first or last; "only" without a pipeline)."""
+def predict_memory(
+    model: ModelSpec, layout: Layout, reduce_scatter_scratch: bool = False
+) -> MemoryBreakdown:
+    """Per-device memory of the most loaded stage (first or last; "only" without a pipeline).
+
+    ``reduce_scatter_scratch``: the backend's reduce-scatter keeps a copy of its input
+    (``Hardware.reduce_scatter_scratch``: slipstream on gloo)."""
+    scratch = reduce_scatter_scratch
     if layout.pp == 1:
-        return _stage_memory(model, layout, "only")
-    first = _stage_memory(model, layout, "first")
-    last = _stage_memory(model, layout, "last")
+        return _stage_memory(model, layout, "only", scratch)
+    first = _stage_memory(model, layout, "first", scratch)
+    last = _stage_memory(model, layout, "last", scratch)
     return first if first.total >= last.total else last

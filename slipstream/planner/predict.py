@@ -97,7 +97,7 @@ def predict(model: ModelSpec, hardware: Hardware, layout: Layout) -> Prediction:
         model=model,
         hardware=hardware,
         layout=layout,
-        memory=predict_memory(model, layout),
+        memory=predict_memory(model, layout, hardware.reduce_scatter_scratch),
         time=predict_step_time(model, hardware, layout),
         hardware_flops=step_flops(model, layout.batch, layout.recompute),
         model_flops=model_flops(model, layout.batch),

@@ -101,10 +101,13 @@ def _layer_gemm_flops(model: ModelSpec, layout: Layout) -> list[float]:
 
 def _stage_compute(model: ModelSpec, hw: Hardware, layout: Layout) -> float:
     """GEMM seconds of one micro-batch on the last stage: its layers forward and backward
-    (backward = 2x forward), recompute, and the output layer."""
+    (backward = 2x forward), recompute, and the output layer. The attention core runs at
+    the profile's ``attention_efficiency`` of the GEMM rate."""
     gemms = _layer_gemm_flops(model, layout)
-    forward = sum(_gemm_time(hw, f) for f in gemms)
-    recompute = {"none": 0.0, "selective": _gemm_time(hw, gemms[1]), "full": forward}
+    times = [_gemm_time(hw, f) for f in gemms]
+    times[1] /= hw.attention_efficiency
+    forward = sum(times)
+    recompute = {"none": 0.0, "selective": times[1], "full": forward}
     layers = model.layers // layout.pp
     logits = model.logits_forward_flops(layout.micro_batch) / layout.tp
     return layers * (3 * forward + recompute[layout.recompute]) + 3 * _gemm_time(hw, logits)

@@ -229,3 +229,14 @@ def test_generate_matches_hf_greedy() -> None:
         ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0
     )
     assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_gpt_kv_cache_generation_equals_recompute() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", num_layers=2)).eval().to(CUDA)
+    ids = torch.randint(0, model.config.vocab_size, (3, 9), device=CUDA)
+    with torch.no_grad():
+        want = model.generate(ids, 16, temperature=0)
+    got = slipstream.init_inference(model).generate(ids, max_new_tokens=16)
+    assert got.is_cuda
+    assert torch.equal(got, want)

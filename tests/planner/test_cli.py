@@ -76,6 +76,7 @@ def test_calibrate_writes_a_loadable_local_profile(
     assert local.to_dict() == out
     assert local.peak_tflops > 0 and local.intra_node_latency_s > 0
     assert all(rate > 0 for _, rate in local.gemm_tflops)
+    assert 0 < local.attention_efficiency < 10
     small = predict(model_preset("megatron-22b", layers=2, hidden=256, heads=4, seq=128),
                     local, Layout(dp=2, global_batch=4))  # fmt: skip
     assert small.step_time_s > 0

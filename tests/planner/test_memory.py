@@ -152,3 +152,15 @@ def test_reduction_buffers_follow_slipstreams_reducer(stage: int, buffer_params:
     numel = stage_params(model, Layout(), "only")
     mem = predict_memory(model, Layout(dp=4, zero_stage=stage))
     assert mem.comm_buffers == buffer_params * numel * 4
+
+
+@pytest.mark.parametrize(("stage", "buffer_params"), [(0, 0), (1, 0), (2, 2)])
+def test_gloo_reduce_scatter_keeps_a_scratch_copy_of_the_bucket(
+    stage: int, buffer_params: int
+) -> None:
+    """On gloo slipstream's reduce-scatter is an all-to-all into a kept scratch buffer of the
+    bucket's size: stage 2 holds the staged bucket and its scratch copy; 0/1 all-reduce."""
+    model = model_preset("megatron-22b", layers=2, hidden=256, heads=4, seq=128)
+    numel = stage_params(model, Layout(), "only")
+    mem = predict_memory(model, Layout(dp=4, zero_stage=stage), reduce_scatter_scratch=True)
+    assert mem.comm_buffers == buffer_params * numel * 4

@@ -63,3 +63,31 @@ def test_zero3_overlap_only_hides_what_compute_covers() -> None:
     exposed = predict(M, A100, Layout(**{**layout.__dict__, "overlap_comm": False})).time
     assert exposed.dp_exposed_s == pytest.approx(exposed.dp_comm_s)
     assert hidden.dp_exposed_s <= exposed.dp_exposed_s
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_attention_efficiency_slows_only_the_attention_core(recompute: str) -> None:
+    """Halving the attention core's rate adds its GEMM time once more: forward + backward
+    (3x its forward) and the selective recompute's forward."""
+    import dataclasses
+
+    from slipstream.planner.timing import _gemm_time
+
+    hw = load_hardware("dgx-a100-80gb")
+    m = model_preset("megatron-22b", layers=4)
+    layout = Layout(tp=8, dp=1, global_batch=4, recompute=recompute)
+    slow = dataclasses.replace(hw, attention_efficiency=0.5)
+    core = _gemm_time(hw, m.attention_core_flops_per_layer(layout.micro_batch) / layout.tp)
+    passes = 3 + (recompute == "selective")
+    extra = predict(m, slow, layout).time.compute_s - predict(m, hw, layout).time.compute_s
+    assert extra == pytest.approx(layout.micro_batches * m.layers * passes * core, rel=1e-9)
+
+
+def test_profiles_without_attention_efficiency_load_as_one() -> None:
+    from slipstream.planner.hardware import Hardware
+
+    data = load_hardware("dgx-h100").to_dict()
+    del data["attention_efficiency"]
+    assert Hardware.from_dict(data).attention_efficiency == 1.0
+    with pytest.raises(ValueError, match="attention_efficiency = 0"):
+        Hardware.from_dict({**data, "attention_efficiency": 0})
