@@ -1,7 +1,21 @@
-"""Run a function on N gloo ranks in fresh processes and collect each rank's return value."""
+"""Run a function on N gloo ranks in fresh processes and collect each rank's return value.
+
+The ranks are forked from a ``forkserver`` that imported torch and slipstream once, not
+spawned: a spawned rank spends 1.5-3 s of this 2-core machine importing them before it does
+any work, and the suite starts a few hundred ranks. The server imports modules only (no
+threads, no process group), so every rank still starts from a fresh interpreter state: its
+environment is the caller's at the time of the call (passed explicitly, as a fork server
+would otherwise hand out its own), its process group and RNG are its own. A forked process
+leaves through ``os._exit``, which skips ``atexit``; the ranks run the exit handlers their own
+code registered when ``fn`` returns, as an interpreter that exits would (what is flushed at
+exit is tested that way), and apply ``SLIPSTREAM_AS_DEEPSPEED`` as an interpreter that starts
+would.
+"""
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -20,9 +34,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    # Imported lazily by torch's optimizers, checkpointing and the mesh (about 800 modules,
+    # 2-3 s): once in the server instead of once per rank.
+    "torch._dynamo",
+    "torch.distributed.device_mesh",
+    "slipstream",
+    "slipstream.models",
+    "slipstream.pipe",
+    "slipstream.checkpoint",
+    "slipstream.quant",
+    "slipstream.recsys",
+    "slipstream.science",
+    "slipstream.vision",
+    "numba",
+    "tests.docs._blocks",
+]
+"""What the one fork server of the test session imports before it forks anything (this
+harness and the documentation blocks share it: it starts once, with the first of them)."""
+multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+
+
 def _entry(
-    rank: int, fn: Callable[..., Any], world: int, port: int, outdir: str, args: tuple[Any, ...]
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    outdir: str,
+    args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
+    atexit._clear()  # the server's handlers are not this rank's
+    os.environ.clear()
+    os.environ.update(environ)
+    # What slipstream_as_deepspeed.pth does at interpreter start, for this environment.
+    import _slipstream_as_deepspeed as alias
+
+    alias.uninstall()
+    alias.install_from_env()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -36,10 +87,13 @@ def _entry(
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = fn(*args)
-        torch.save(result, Path(outdir) / f"rank{rank}.pt")
+        try:
+            result = fn(*args)
+            torch.save(result, Path(outdir) / f"rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        atexit._run_exitfuncs()
 
 
 def run_world(
@@ -56,10 +110,10 @@ def run_world(
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world, _free_port(), outdir, args),
+            args=(fn, world, _free_port(), outdir, args, dict(os.environ)),
             nprocs=world,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -9,27 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.harness import FORKSERVER_PRELOAD
 from tests.docs._blocks import Block, doc_files, parse_blocks, run_rank, script_for
 
 TIMEOUT_S = 120.0  # per block; a hung block is killed and fails
-PRELOAD = [
-    "torch",
-    "torch.distributed",
-    # Imported lazily by torch's optimizers, checkpointing and the mesh (about 800 modules,
-    # 2-3 s): once here instead of once per block.
-    "torch._dynamo",
-    "torch.distributed.device_mesh",
-    "slipstream",
-    "slipstream.models",
-    "slipstream.pipe",
-    "slipstream.checkpoint",
-    "slipstream.quant",
-    "slipstream.recsys",
-    "slipstream.science",
-    "slipstream.vision",
-    "numba",
-    "tests.docs._blocks",
-]
 
 BLOCKS = {path: parse_blocks(path) for path in doc_files()}
 CASES = [(path, k) for path, blocks in BLOCKS.items() for k in range(len(blocks))]
@@ -38,7 +21,7 @@ CASES = [(path, k) for path, blocks in BLOCKS.items() for k in range(len(blocks)
 @pytest.fixture(scope="module")
 def forkserver() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     return ctx
 
 
