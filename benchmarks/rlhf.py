@@ -53,6 +53,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -107,10 +108,8 @@ class Options:
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        for name in ("world", "hidden", "layers", "batch", "prompt_len", "new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        for name in ("repeats", "prompts", "grpo_new_tokens", "steps", "threads"):
+        positive = ("world", "hidden", "layers", "batch", "prompt_len", "new_tokens", "repeats")
+        for name in (*positive, "prompts", "grpo_new_tokens", "steps", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         if self.group < 2:
@@ -119,8 +118,11 @@ class Options:
             raise ValueError(f"--warmup={self.warmup} must be >= 0")
         if self.vocab <= KEYWORD + 1:
             raise ValueError(f"--vocab={self.vocab} must be > {KEYWORD + 1} (the keyword id)")
-        if self.hidden % 8:
-            raise ValueError(f"--hidden={self.hidden} must be a multiple of 8 (8 heads)")
+        if self.hidden % 16:
+            raise ValueError(
+                f"--hidden={self.hidden} must be a multiple of 16 (8 heads of an even size, "
+                "for the rotary embedding)"
+            )
 
     @property
     def max_len(self) -> int:
@@ -307,7 +309,16 @@ def _one_grpo_step(trainer: Any, engine: Any, ids: torch.Tensor) -> dict[str, fl
 
 
 def _grpo_vs_trl_rank(opts: Options, rank: int, device: torch.device) -> dict[str, Any]:
-    """(b) in one process: TRL's trainer loop, with one slipstream step after each TRL step."""
+    """(b) in one process, in a scratch directory removed afterwards."""
+    workdir = Path(tempfile.mkdtemp(prefix="slipstream-bench-rlhf-"))
+    try:
+        return _grpo_vs_trl(opts, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
+    """TRL's trainer loop, with one slipstream step after each TRL step."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig as TRLConfig
@@ -319,7 +330,6 @@ def _grpo_vs_trl_rank(opts: Options, rank: int, device: torch.device) -> dict[st
     torch.set_num_threads(opts.threads)
     model = build_model(opts)
     tokenizer = build_tokenizer(opts)
-    workdir = Path(tempfile.mkdtemp(prefix="slipstream-bench-rlhf-"))
     model.save_pretrained(workdir / "model")  # TRL builds its reference model from a path
     tokenizer.save_pretrained(workdir / "model")
     reference = copy.deepcopy(model)
@@ -399,6 +409,7 @@ def _grpo_vs_trl_rank(opts: Options, rank: int, device: torch.device) -> dict[st
         "grpo": ours_steps[opts.warmup :],
         "trl_version": _version("trl"),
         "trl_mean_length": lengths,
+        "trl_kl": [m["kl"] for m in trl.state.log_history if "kl" in m],
     }
 
 
@@ -470,7 +481,8 @@ def report_trl(opts: Options, result: dict[str, Any]) -> list[str]:
         "per-step wall ratios slipstream/TRL: "
         + " ".join(f"{a / b:.2f}" for a, b in zip(ours, trl))
         + f"; answer length slipstream {_median([s['response_length'] for s in result['grpo']]):.1f}"
-        + (f", TRL {_median(trl_len):.1f}" if trl_len else ""),
+        + (f", TRL {_median(trl_len):.1f}" if trl_len else "")
+        + (f"; TRL logged KL {result['trl_kl'][-1]:.2e}" if result.get("trl_kl") else ""),
     ]
 
 

@@ -33,7 +33,7 @@ def test_defaults_parse_and_every_part_is_selected() -> None:
         (["--parts", ""], "--parts=''"),
         (["--group", "1"], "--group=1"),
         (["--steps", "0"], "--steps=0"),
-        (["--hidden", "100"], "--hidden=100"),
+        (["--hidden", "120"], "--hidden=120"),
         (["--warmup", "-1"], "--warmup=-1"),
     ],
 )
