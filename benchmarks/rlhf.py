@@ -8,7 +8,7 @@ Usage::
     python benchmarks/rlhf.py --parts b --steps 12 --json out.json
 
 All three use one tiny Hugging Face LLaMA built from a config (random weights, seeded; 4
-layers, hidden 256, vocab 1024: 3.7M parameters) whose special tokens can never be sampled
+layers, hidden 256, vocab 1024: 3.5M parameters) whose special tokens can never be sampled
 (see :func:`build_model`), so every answer is exactly as long as asked and every variant does
 the same work.
 
@@ -237,11 +237,12 @@ def _generation_rank(opts: Options, rank: int, device: torch.device) -> dict[str
         expected = model.generate(prompts, **gen_kwargs)  # the unsharded model, HF's loop
     _check_full_length(expected[:, prompts.shape[1] :], opts.new_tokens, f"rank {rank}")
     engine, *_ = slipstream.initialize(model=model, config=engine_config(opts, 3, opts.batch))
+    module: Any = engine.module  # the HF model; its class's generate is HF's, not the hybrid's
     unpinned_cfg = engine.config.hybrid_engine.model_copy(update={"pin_parameters": False})
     variants: dict[str, Callable[..., torch.Tensor]] = {
         "hybrid": engine.generate,
         "per-layer": HybridEngine(engine, unpinned_cfg).generate,
-        "hf-zero3": partial(type(engine.module).generate, engine.module, synced_gpus=True),
+        "hf-zero3": partial(type(module).generate, module, synced_gpus=True),
     }
     engine.eval()
     same = {}
