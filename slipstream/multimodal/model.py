@@ -8,7 +8,9 @@ released ``modeling_dsvl.py`` assembles inputs the same way).
   paper's "baseline" projection.
 * Language model: slipstream's GPT or a transformers LLaMA-family model, frozen, with its
   attention switched to MMCA; ``num_new_tokens`` trainable embedding rows for special tokens
-  added after the LM was trained.
+  added after the LM was trained; optional LoRA on its linear layers (the released
+  ``lang_lora_dim``), fused into the weights while generating as DeepSpeed-Chat's hybrid
+  engine does.
 * Assembly: every ``<image>`` placeholder id in ``input_ids`` is replaced by its image's
   projected tokens; the token-type vector marks text / image / pad; labels are -100 on image
   tokens; the assembled length is padded to a multiple of 8 (within the LM's context).
@@ -25,11 +27,15 @@ from torch import nn
 
 from slipstream.inference.hf import make_cache
 from slipstream.inference.sampling import SamplingPolicy, next_tokens
+from slipstream.models.lora import LoRALinear, apply_lora_, fused_lora
 from slipstream.models.vit import ViTSegmenter
 from slipstream.multimodal.attention import IMAGE, PAD, TEXT, MMCAMode
 from slipstream.multimodal.lm import ExtendedEmbedding, GPTDecoder, make_decoder
 
-__all__ = ["Assembled", "VisionEncoder", "VisualChat", "VisualChatConfig"]
+__all__ = ["LM_LORA_TARGETS", "Assembled", "VisionEncoder", "VisualChat", "VisualChatConfig"]
+
+LM_LORA_TARGETS = (r"\.(q|k|v|o)_proj$", r"\.(gate|up|down)_proj$")
+"""Attention and MLP projections of LLaMA-family models and slipstream's GPT."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +54,21 @@ class VisualChatConfig:
     """The assembled length is padded up to a multiple of this (capped at the context)."""
     projection_eps: float = 1e-12
     """LayerNorm epsilon of the projection (the released code's value)."""
+    lm_lora_rank: int = 0
+    """LoRA rank on the LM's linear layers (the released ``lang_lora_dim``); 0 = no LoRA."""
+    lm_lora_alpha: float | None = None
+    """LoRA scale numerator: the update is scaled by ``alpha / rank`` (default: the rank)."""
+    lm_lora_targets: tuple[str, ...] = LM_LORA_TARGETS
+    """Patterns (``re.search``) of the LM's linear layers that get LoRA."""
 
     def __post_init__(self) -> None:
         for name in ("image_size", "pad_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"VisualChatConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.lm_lora_rank < 0:
+            raise ValueError(
+                f"VisualChatConfig.lm_lora_rank={self.lm_lora_rank} must be >= 0 (0 = no LoRA)"
+            )
         if self.num_new_tokens < 0:
             raise ValueError(f"VisualChatConfig.num_new_tokens={self.num_new_tokens} must be >= 0")
         if self.mmca_mode not in ("paper", "reference_code", "causal"):
@@ -109,7 +125,8 @@ def _name(sample_ids: list[str] | None, row: int) -> str:
 class VisualChat(nn.Module):
     """Frozen vision encoder + trainable projection + frozen causal LM with MMCA (module doc).
 
-    Only ``projection`` and ``embed.new_rows`` require gradients; pass
+    Only ``projection``, ``embed.new_rows`` and the LM's LoRA adapters (with
+    ``config.lm_lora_rank``) require gradients; pass
     ``[p for p in model.parameters() if p.requires_grad]`` to the optimizer (``slipstream.
     initialize`` then keeps no optimizer state for the frozen parts).
     """
@@ -119,6 +136,8 @@ class VisualChat(nn.Module):
         self.config = config
         self.vision = VisionEncoder(vision, config.image_size).requires_grad_(False)
         self.lm = lm.requires_grad_(False)
+        if config.lm_lora_rank:
+            apply_lora_(lm, config.lm_lora_targets, config.lm_lora_rank, config.lm_lora_alpha)
         self.decoder = make_decoder(lm, config.mmca_mode)
         self.embed = ExtendedEmbedding(self.decoder.input_embedding(), config.num_new_tokens)
         width = self.decoder.hidden_size
@@ -274,6 +293,23 @@ class VisualChat(nn.Module):
         cached keys, with their token types appended); slipstream's GPT, which has no cache,
         recomputes the context each step. Rows that emitted ``eos_token_id`` repeat it.
         """
+        args = (input_ids, images, image_counts, max_new_tokens, attention_mask, eos_token_id)
+        if not any(isinstance(m, LoRALinear) for m in self.lm.modules()):
+            return self._generate(*args, sampling, generator)
+        with fused_lora(self.lm):  # one GEMM per layer while decoding, as the hybrid engine
+            return self._generate(*args, sampling, generator)
+
+    def _generate(
+        self,
+        input_ids: torch.Tensor,
+        images: torch.Tensor,
+        image_counts: torch.Tensor,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None,
+        eos_token_id: int | None,
+        sampling: SamplingPolicy | None,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
         policy = sampling or SamplingPolicy()
         a = self.assemble(input_ids, images, image_counts, attention_mask, left_pad=True)
         embeds, types, positions = a.embeds, a.token_types, a.position_ids

@@ -28,10 +28,16 @@ def _llama():  # type: ignore[no-untyped-def]
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def _chat(lm: torch.nn.Module, mode: str = "paper", new: int = 2) -> VisualChat:
+def _chat(lm: torch.nn.Module, mode: str = "paper", new: int = 2, lora: int = 0) -> VisualChat:
     torch.manual_seed(1)
-    cfg = VisualChatConfig(image_token_id=IMG, image_size=8, num_new_tokens=new, mmca_mode=mode)  # type: ignore[arg-type]
-    return VisualChat(ViTSegmenter(VIT), lm, cfg)
+    cfg = VisualChatConfig(image_token_id=IMG, image_size=8, num_new_tokens=new, mmca_mode=mode,  # type: ignore[arg-type]
+                           lm_lora_rank=lora)  # fmt: skip
+    chat = VisualChat(ViTSegmenter(VIT), lm, cfg)
+    with torch.no_grad():  # nonzero B, so the adapters change the LM
+        for name, p in chat.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0.0, 0.2)
+    return chat
 
 
 def _batch():  # type: ignore[no-untyped-def]
@@ -83,15 +89,19 @@ def test_assembly_replaces_placeholders_in_order_with_types_and_labels() -> None
     assert a.labels[1, 1 + n + 1 : 1 + n + 3].tolist() == [9, 10]
 
 
-@pytest.mark.parametrize("mode", ["paper", "causal", "reference_code"])
-def test_only_projection_and_new_token_rows_get_gradients(mode: str) -> None:
-    chat = _chat(_gpt(), mode)
+@pytest.mark.parametrize(("mode", "lora"), [("paper", 0), ("causal", 0), ("reference_code", 2)])
+def test_only_projection_new_token_rows_and_lora_get_gradients(mode: str, lora: int) -> None:
+    chat = _chat(_gpt(), mode, lora=lora)
     ids, images, counts, mask, labels = _batch()
     ids[0, 0] = 41  # a new special token (row 1 of the trainable rows)
     chat(ids, images, counts, labels, mask).backward()
     trainable = {n for n, p in chat.named_parameters() if p.requires_grad}
+    adapters = {f"lm.layers.{i}.{part}.lora_{ab}" for i in range(2) for ab in "ab"
+                for part in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}  # fmt: skip
     assert trainable == {"embed.new_rows", "projection.0.weight", "projection.0.bias",
-                         "projection.1.weight", "projection.1.bias"}  # fmt: skip
+                         "projection.1.weight", "projection.1.bias"} | (adapters if lora else set())  # fmt: skip
+    assert all(chat.get_parameter(n).grad is not None for n in trainable)
     assert all(p.grad is None for n, p in chat.named_parameters() if n not in trainable)
     grad = chat.embed.new_rows.grad
     assert grad is not None and grad[1].abs().sum() > 0 and grad[0].abs().sum() == 0
@@ -126,10 +136,11 @@ def test_bad_input_errors_name_the_sample() -> None:
         chat(long, images, counts, None, long_mask, names)
 
 
-@pytest.mark.parametrize("lm", ["gpt", "llama"])
-def test_chat_generation_equals_full_recomputation(lm: str) -> None:
-    """Greedy decoding (KV cache for LLaMA) equals re-running the whole conversation."""
-    chat = _chat(_llama() if lm == "llama" else _gpt()).eval()
+@pytest.mark.parametrize(("lm", "lora"), [("gpt", 0), ("llama", 2)])
+def test_chat_generation_equals_full_recomputation(lm: str, lora: int) -> None:
+    """Greedy decoding (KV cache for LLaMA; LoRA fused while decoding) equals re-running the
+    whole conversation (LoRA unfused)."""
+    chat = _chat(_llama() if lm == "llama" else _gpt(), lora=lora).eval()
     ids, images, counts, mask, _ = _batch()
     ids, mask = ids[:1, :6], mask[:1, :6]
     images, counts = images[:2], counts[:1]
@@ -172,4 +183,45 @@ def test_engine_zero2_trains_only_the_projection_and_keeps_no_state_for_frozen_p
     assert 8 * numel <= state <= 8 * numel + 64 * len(trainable)
     assert all(torch.equal(p, frozen[n]) for n, p in chat.named_parameters() if n in frozen)
     assert losses[-1] < losses[0]
+    engine.destroy()
+
+
+def test_engine_zero3_bf16_trains_projection_and_lora_and_nothing_else() -> None:
+    import slipstream
+
+    chat = _chat(_gpt(), lora=2)
+    frozen = {n: p.detach().to(torch.bfloat16) for n, p in chat.named_parameters()
+              if not p.requires_grad}  # fmt: skip
+    trainable = {n: p for n, p in chat.named_parameters() if p.requires_grad}
+    start = {n: p.detach().clone() for n, p in trainable.items()}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": True},
+    }
+    engine, optimizer, _, _ = slipstream.initialize(
+        model=chat, model_parameters=list(trainable.values()), config=config
+    )
+    ids, images, counts, mask, labels = _batch()
+    ids[0, 0] = 41  # a new special token, so embed.new_rows trains too
+    losses = []
+    for _ in range(6):
+        loss = engine(ids, images, counts, labels, mask)
+        engine.backward(loss)
+        assert all(p.grad is None for n, p in chat.named_parameters() if n in frozen)
+        engine.step()
+        losses.append(loss.item())
+    numel = sum(p.numel() for p in start.values())
+    # AdamW exp_avg + exp_avg_sq and the fp32 master copy, for the trainable numel only.
+    assert 8 * numel <= optimizer.state_bytes() <= 8 * numel + 64 * len(start)  # type: ignore[union-attr]
+    assert optimizer.master_bytes() == 4 * numel  # type: ignore[union-attr]
+    for n, p in chat.named_parameters():
+        if n in frozen:
+            assert p.dtype == torch.bfloat16 and torch.equal(p, frozen[n]), n
+    assert losses[-1] < losses[0]
+    with engine.gathered_for_generation():
+        moved = [n for n, p in chat.named_parameters() if n in start
+                 and not torch.equal(p.float(), start[n].to(torch.bfloat16).float())]  # fmt: skip
+    assert set(moved) == set(start)
     engine.destroy()
