@@ -146,9 +146,13 @@ def variants(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, fixed: b
     dtype = next(model.parameters()).dtype
     for name in chosen:
         cache, finished = name.split("/")
+        keys: dict[str, Any] = (
+            {"enable_cuda_graph": True} if cache == "graph"
+            else {"kv_cache": cache, "finished_rows": finished}
+        )  # fmt: skip
         engine = init_inference(
-            copy.deepcopy(model), dtype=dtype, kv_cache=cache, finished_rows=finished,
-            max_out_tokens=model.config.max_position_embeddings,
+            copy.deepcopy(model), dtype=dtype, max_out_tokens=model.config.max_position_embeddings,
+            **keys,
         )  # fmt: skip
         table[f"slipstream {name}"] = partial(
             engine.generate, ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
@@ -237,7 +241,8 @@ def main() -> None:
                         help="cpu: process CPU time (steadier on a machine shared with other "
                         "jobs; use with --threads 1)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=["dynamic/drop"],
-                        help="slipstream cache/finished-rows pairs, e.g. static/mask")  # fmt: skip
+                        help="slipstream cache/finished-rows pairs, e.g. static/mask; "
+                        "graph/mask: enable_cuda_graph (CUDA only)")  # fmt: skip
     parser.add_argument("--gpt", default=None, metavar="PRESET",
                         help="time slipstream's reference GPT (tiny/small/25m) instead: "
                         "recompute vs KV cache")  # fmt: skip

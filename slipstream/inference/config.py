@@ -125,7 +125,10 @@ class InferenceConfig(StrictModel):
     ("w8a8-int", "w4a8-int4-lorc8", ...), or DeepSpeed's dict ``{"enabled": true,
     "weight": {"num_bits": 8 | 4, "group_size": 64}}``."""
     enable_cuda_graph: bool = False
-    """Accepted; CUDA graphs are not captured (a warning says so when true)."""
+    """Capture the decode step of a Hugging Face causal LM on a CUDA device as one CUDA graph
+    and replay it every step (``slipstream.inference.graphs``): a static KV cache, finished
+    rows kept in the batch. Refused for the reference GPT, on the CPU and with
+    ``tp_size`` > 1."""
     use_triton: Literal[False] = False
     """Accepted for compatibility; Triton kernels are not used (must be false)."""
     triangular_masking: bool = True

@@ -108,10 +108,11 @@ class InferenceEngine:
             if "input_ids" in kwargs or "inputs" in kwargs:
                 raise ConfigError("generate: input_ids given both by position and by keyword")
             kwargs = {"input_ids": args[0], **kwargs}
+        graph = self.config.enable_cuda_graph
         return {
             "max_out_tokens": self.config.max_out_tokens,
-            "cache": self.config.kv_cache,
-            "finished": self.config.finished_rows,
+            "cache": "graph" if graph else self.config.kv_cache,
+            "finished": "mask" if graph else self.config.finished_rows,
             "sync": self._sync,
             **kwargs,
         }
@@ -154,11 +155,6 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     cfg = read_inference_config(config, kwargs)
     check_tensor_parallel(model, cfg)
     quant = resolve_quant(cfg.quant, cfg.dtype)
-    if cfg.enable_cuda_graph:
-        logger.warning(
-            "init_inference: enable_cuda_graph=True has no effect; slipstream does not "
-            "capture CUDA graphs"
-        )
     if cfg.checkpoint is not None:
         load_weights(model, cfg.checkpoint, cfg.base_dir)
     if cfg.torch_dtype is not None:
@@ -175,6 +171,27 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         fp32_gemm_for_half_weights_(model)
     if cfg.cpu_lm_head == "packed" and quant is None and (fp32_gemms or not half):
         pack_lm_head_(model)
+    if cfg.enable_cuda_graph:
+        _check_cuda_graph(model, cfg)
     model.eval()
     model.requires_grad_(False)
     return InferenceEngine(model, cfg, sync)
+
+
+def _check_cuda_graph(model: nn.Module, cfg: InferenceConfig) -> None:
+    """``enable_cuda_graph`` needs a Hugging Face causal LM on a CUDA device, one rank."""
+    from slipstream.inference.hf import is_hf_causal_lm
+
+    device = next(model.parameters()).device
+    problem = None
+    if not is_hf_causal_lm(model):
+        problem = f"{type(model).__name__} is not a Hugging Face causal LM"
+    elif device.type != "cuda":
+        problem = f"the model is on {device}, not a CUDA device (move it with model.cuda())"
+    elif cfg.tp_size > 1:
+        problem = f"tp_size={cfg.tp_size}: the graph is captured for one rank"
+    if problem is not None:
+        raise ConfigError(
+            f"init_inference: enable_cuda_graph=True needs a Hugging Face causal LM on a CUDA "
+            f"device without tensor parallelism; {problem}. Set enable_cuda_graph=False."
+        )

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from slipstream.config._errors import ConfigError
-from slipstream.inference import gpt, hf
+from slipstream.inference import gpt, graphs, hf
 from slipstream.inference.request import GenerationRequest, build_request
 from slipstream.inference.sampling import next_tokens
 from slipstream.models.gpt import GPT
@@ -52,6 +52,10 @@ class ModelDriver:
 
 _HF = ModelDriver(hf.last_logits, hf.make_cache, hf.select_rows, hf.context_length)
 _GPT = ModelDriver(gpt.last_logits, gpt.make_cache, gpt.select_rows, gpt.context_length)
+_GRAPH = ModelDriver(
+    graphs.last_logits, lambda model, _kind, n: graphs.make(model, n), graphs.select_rows,
+    hf.context_length,
+)  # fmt: skip
 
 
 def driver_for(model: nn.Module) -> ModelDriver:
@@ -155,6 +159,14 @@ def decode_steps(
     process makes the same number of model calls.
     """
     run = driver if driver is not None else driver_for(model)
+    if cache == "graph":
+        if run is not _HF or finished != "mask" or all_done is not None:
+            raise ConfigError(
+                "generate: the CUDA-graph decode step (enable_cuda_graph) drives Hugging Face "
+                "causal LMs with finished_rows='mask', one process at a time; got "
+                f"{type(model).__name__}, finished={finished!r}"
+            )
+        run = _GRAPH
     rows = _Rows(req)
     prompt_len = req.input_ids.shape[1]
     kv = run.make_cache(model, cache, prompt_len + req.max_new_tokens)

@@ -19,14 +19,16 @@ from torch import nn
 
 __all__ = [
     "CacheKind",
+    "cache_argument",
     "context_length",
     "is_hf_causal_lm",
+    "keep_argument",
     "last_logits",
     "make_cache",
     "select_rows",
 ]
 
-CacheKind = Literal["dynamic", "static"]
+CacheKind = Literal["dynamic", "static", "graph"]
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -36,13 +38,16 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
 
 
 @cache
-def _cache_argument(forward_cls: Any) -> str:
+def cache_argument(forward_cls: Any) -> str:
+    """The forward's keyword for the cache: ``cache`` (transformers >= 5) or
+    ``past_key_values``."""
     params = inspect.signature(forward_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 @cache
-def _keep_argument(forward_cls: Any) -> str | None:
+def keep_argument(forward_cls: Any) -> str | None:
+    """The forward's keyword for computing only the last logits, if it has one."""
     params = inspect.signature(forward_cls.forward).parameters
     for name in ("logits_to_keep", "num_logits_to_keep"):
         if name in params:
@@ -69,10 +74,10 @@ def last_logits(
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
-        _cache_argument(model_cls): kv_cache,
+        cache_argument(model_cls): kv_cache,
         "use_cache": True,
     }
-    keep = _keep_argument(model_cls)
+    keep = keep_argument(model_cls)
     if keep is not None:
         kwargs[keep] = 1  # the LM head runs on the last position only
     out = model(**kwargs)

@@ -240,3 +240,38 @@ def test_gpt_kv_cache_generation_equals_recompute() -> None:
     got = slipstream.init_inference(model).generate(ids, max_new_tokens=16)
     assert got.is_cuda
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_generation_matches_eager(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """enable_cuda_graph: replaying the captured decode step gives the tokens of the same step
+    run eagerly (left padding, rows ending early kept in the batch)."""
+    from slipstream.inference import graphs
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(CUDA, dtype)
+    ids = torch.randint(1, 128, (3, 9), device=CUDA)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, pad_token_id=0, eos_token_id=7)
+    graphed = slipstream.init_inference(model, enable_cuda_graph=True)
+    made: list[graphs.GraphedDecoder] = []
+    real_make = graphs.make
+
+    def recording_make(m: torch.nn.Module, n: int) -> graphs.GraphedDecoder:
+        made.append(real_make(m, n))
+        return made[-1]
+
+    monkeypatch.setattr(graphs, "make", recording_make)
+    got = graphed.generate(ids, **kwargs)
+    assert made[-1].graph is not None and made[-1].steps >= 2
+    monkeypatch.setattr(graphs, "make", lambda m, n: graphs.GraphedDecoder(m, n, capture=False))
+    want = graphed.generate(ids, **kwargs)
+    assert torch.equal(got, want)

@@ -139,3 +139,14 @@ def test_non_hf_module_is_refused_with_the_reason():
     engine = init_inference(torch.nn.Linear(4, 4))
     with pytest.raises(ConfigError, match="neither slipstream's GPT nor a Hugging Face causal LM"):
         engine.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+
+
+def test_cuda_graph_is_refused_where_it_cannot_run() -> None:
+    """enable_cuda_graph needs a Hugging Face causal LM on a CUDA device (tests/cuda runs it)."""
+    from slipstream.models import GPT, GPTConfig
+    from tests.inference.conftest import tiny_llama
+
+    with pytest.raises(ConfigError, match="not a CUDA device"):
+        init_inference(tiny_llama(), enable_cuda_graph=True)
+    with pytest.raises(ConfigError, match="GPT is not a Hugging Face causal LM"):
+        init_inference(GPT(GPTConfig.preset("tiny")), enable_cuda_graph=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.config import ConfigError
 from slipstream.inference import generate, stream
 from tests.inference.conftest import PAD, left_padded, tiny_llama
 
@@ -48,6 +49,19 @@ def test_cached_greedy_equals_full_recompute_on_left_padded_batch(model, cache, 
     )  # fmt: skip
     assert torch.equal(got, want)
     assert (got[0, ids.shape[1] :] == PAD).any(), "row 0 should have ended early"
+
+
+def test_cuda_graph_step_run_eagerly_equals_full_recompute(model):
+    """enable_cuda_graph's decode step (static buffers, additive 4-D mask, static cache),
+    run without capture on the CPU: the same tokens; rows cannot be dropped from it."""
+    ids, mask = left_padded(LENGTHS)
+    eos = early_eos(model, ids, mask)
+    want = greedy_by_recompute(model, ids, mask, NEW, eos)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos,
+                  pad_token_id=PAD, cache="graph")  # fmt: skip
+    assert torch.equal(generate(model, finished="mask", **kwargs), want)
+    with pytest.raises(ConfigError, match="finished_rows='mask'"):
+        generate(model, finished="drop", **kwargs)
 
 
 def test_greedy_equals_hf_generate(model):
