@@ -1,4 +1,4 @@
-"""``slipstream plot RUN_DIR``: a run's monitor scalars (CSV or TensorBoard) as PNG plots."""
+"""``slipstream plot RUN_DIR``: a run's monitor scalars (CSV, TensorBoard or JSON lines) as PNG plots."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ def add_parser(subparsers: Any) -> None:
         help="draw a run's monitor scalars (loss, lr, throughput, MFU, ...) as PNG files",
         description=__doc__,
     )
-    p.add_argument("run_dir", help="a directory holding csv_monitor files or TensorBoard events")
+    p.add_argument(
+        "run_dir",
+        help="a directory holding csv_monitor files, TensorBoard events or JSON-lines metrics",
+    )
     p.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots)")
     p.set_defaults(handler=plot_command)
 

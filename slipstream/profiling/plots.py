@@ -1,15 +1,18 @@
 """Run plots: the scalars a run's monitors wrote (CSV or TensorBoard) as PNG curves.
 
 ``slipstream plot RUN_DIR`` finds every ``csv_monitor`` file (``<job>/<Name>.csv`` with a
-``step,<name>`` header) and every TensorBoard event file under ``RUN_DIR``, and draws one PNG
-per scalar plus ``summary.png`` with the curves a training run is judged by (loss, learning
-rate, throughput, MFU, gradient norm) side by side. The x axis is the event step (the
+``step,<name>`` header), every TensorBoard event file and every JSON-lines metrics file (one
+object per line with a ``step`` key, as the RLHF trainers and ``slipstream chat`` write)
+under ``RUN_DIR``, and draws one PNG per scalar plus ``summary.png`` with the curves a run is
+judged by (RLHF reward and KL; loss, learning rate, throughput, MFU, gradient norm) side by
+side. The x axis is the event step (the
 engine's events use samples seen, as DeepSpeed's do).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,14 +23,25 @@ __all__ = ["SUMMARY_KEYS", "plot_run", "read_scalars"]
 Series = list[tuple[float, float]]
 
 # Fragments of scalar names shown in summary.png, in this order (first match per panel).
-SUMMARY_KEYS = ("train_loss", "loss", "lr", "tokens_per_sec", "samples_per_sec", "mfu", "grad_norm")
+SUMMARY_KEYS = (
+    "reward_mean",
+    "kl",
+    "train_loss",
+    "loss",
+    "lr",
+    "tokens_per_sec",
+    "samples_per_sec",
+    "mfu",
+    "grad_norm",
+)
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, Series]:
     """Every scalar under ``run_dir``: name -> sorted ``(step, value)`` points.
 
     CSV files are named by the file (``Train_Samples_lr``); TensorBoard tags keep their names
-    (``Train/Samples/lr``). When both hold a scalar, both are returned under their own names.
+    (``Train/Samples/lr``); a JSON-lines file gives ``<file stem>/<key>`` for each numeric key
+    (``ppo/reward_mean``). When both hold a scalar, both are returned under their own names.
     """
     root = Path(run_dir)
     if not root.is_dir():
@@ -39,7 +53,26 @@ def read_scalars(run_dir: str | Path) -> dict[str, Series]:
             scalars[path.stem] = series
     for path in sorted(root.rglob("events.out.tfevents.*")):
         scalars.update(_read_tensorboard(path))
+    for path in sorted(root.rglob("*.jsonl")):
+        scalars.update(_read_jsonl(path))
     return scalars
+
+
+def _read_jsonl(path: Path) -> dict[str, Series]:
+    """A JSON-lines metrics file: every numeric (not boolean) key of objects that have a
+    ``step``; other files and lines (a line cut short by a crash) are skipped."""
+    out: dict[str, Series] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+            continue
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                out.setdefault(f"{path.stem}/{key}", []).append((float(row["step"]), float(value)))
+    return {name: sorted(points) for name, points in out.items()}
 
 
 def _read_csv(path: Path) -> Series | None:
@@ -88,9 +121,11 @@ def _summary(scalars: dict[str, Series]) -> list[str]:
     return chosen
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write one PNG per scalar and ``summary.png`` to ``out_dir`` (default
-    ``RUN_DIR/plots``); returns the files written.
+def plot_run(
+    run_dir: str | Path, out_dir: str | Path | None = None, summary_only: bool = False
+) -> list[Path]:
+    """Write one PNG per scalar (unless ``summary_only``) and ``summary.png`` to ``out_dir``
+    (default ``RUN_DIR/plots``); returns the files written.
 
     Raises:
         FileNotFoundError: ``run_dir`` is missing or holds no monitor scalars.
@@ -100,14 +135,14 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     if not scalars:
         raise FileNotFoundError(
             f"slipstream plot: no monitor scalars under {run_dir} (looked for csv_monitor "
-            "files with a 'step,<name>' header and TensorBoard event files); enable "
-            "csv_monitor or tensorboard in the config"
+            "files with a 'step,<name>' header, TensorBoard event files and JSON-lines files "
+            "with a 'step' key); enable csv_monitor or tensorboard in the config"
         )
     plt = _pyplot()
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, series in sorted(scalars.items()):
+    for name, series in [] if summary_only else sorted(scalars.items()):
         fig, ax = plt.subplots(figsize=(5, 3.2))
         _draw(ax, name, series)
         fig.tight_layout()

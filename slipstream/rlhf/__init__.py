@@ -22,6 +22,7 @@ from slipstream.rlhf.chat import (
     PPOMetrics,
     PPOTrainer,
     RewardModel,
+    lm_batch_loss,
     reward_step,
     sequence_scores,
     sft_step,
@@ -31,6 +32,7 @@ from slipstream.rlhf.data import (
     PreferenceRecord,
     PromptBatch,
     SFTBatch,
+    apply_chat_template,
     check_same_tokenizer,
     load_preference_records,
     pair_batch,
@@ -38,6 +40,7 @@ from slipstream.rlhf.data import (
     prompt_batch,
     sft_batch,
     split_for_step,
+    text_batch,
 )
 from slipstream.rlhf.dpo import DPOConfig, DPOMetrics, DPOTrainer
 from slipstream.rlhf.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer, completion_mask
@@ -45,6 +48,7 @@ from slipstream.rlhf.hybrid import GenerationStats, HybridEngine, enable_hybrid_
 from slipstream.rlhf.losses import (
     DPOOutput,
     RewardModelOutput,
+    causal_lm_loss,
     dpo_loss,
     ppo_actor_loss,
     ppo_critic_loss,
@@ -72,6 +76,8 @@ __all__ = [
     "RewardModel",
     "RewardModelOutput",
     "SFTBatch",
+    "apply_chat_template",
+    "causal_lm_loss",
     "check_same_tokenizer",
     "completion_mask",
     "dpo_loss",
@@ -81,6 +87,7 @@ __all__ = [
     "grpo_advantages",
     "k3_kl",
     "kl_shaped_rewards",
+    "lm_batch_loss",
     "load_preference_records",
     "pair_batch",
     "parse_data_split",
@@ -94,5 +101,6 @@ __all__ = [
     "sft_batch",
     "sft_step",
     "split_for_step",
+    "text_batch",
     "token_logprobs",
 ]

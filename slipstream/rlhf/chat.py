@@ -12,7 +12,13 @@ Yao et al. 2023 (arXiv 2308.01320) and DeepSpeedExamples' ``applications/DeepSpe
    the reward model) and the frozen reward model. One step = ``generate_experience`` then
    ``train_rlhf`` (DeepSpeed-Chat's names): KL-shaped per-token rewards (beta 0.1, score clip
    +-5), GAE (gamma 1, lambda 0.95, no whitening), one clipped actor step (0.2) and one clipped
-   critic step (0.2), then the optional EMA of the actor (0.992).
+   critic step (0.2), then the optional EMA of the actor (0.992). Options: the PTX term (an
+   LM loss on pretraining text, ``ptx_coef`` x, added to the actor's loss) and
+   ``align_overflow`` (when the actor's or the critic's gradients overflow, both skip).
+
+The models are Hugging Face causal LMs or slipstream's reference
+:class:`~slipstream.models.gpt.GPT` (its forward returns the logits tensor; it has no pad or
+EOS ids of its own, so :class:`PPOTrainer` takes them as arguments).
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.models.gpt import GPT
 from slipstream.rlhf.advantages import ema_update_, gae_advantages_and_returns, kl_shaped_rewards
 from slipstream.rlhf.data import PairBatch, SFTBatch
 from slipstream.rlhf.grpo import completion_mask
 from slipstream.rlhf.losses import (
     RewardModelOutput,
+    causal_lm_loss,
     ppo_actor_loss,
     ppo_critic_loss,
     reward_model_loss,
@@ -48,6 +56,7 @@ __all__ = [
     "PPOMetrics",
     "PPOTrainer",
     "RewardModel",
+    "lm_batch_loss",
     "reward_step",
     "sequence_scores",
     "sft_step",
@@ -59,19 +68,27 @@ __all__ = [
 
 def sft_step(engine: Engine, batch: SFTBatch) -> float:
     """One step-1 optimizer step (``gradient_accumulation_steps`` micro-batches); returns
-    the mean loss. The engine's module is a Hugging Face causal LM (it shifts the labels)."""
+    the mean loss (:func:`~slipstream.rlhf.losses.causal_lm_loss` on the model's logits, so
+    a Hugging Face LM and the reference GPT train alike)."""
     gas = engine.gradient_accumulation_steps()
     total = 0.0
     for rows in _micro_batches(batch.input_ids.shape[0], gas, "sft_step"):
-        out = engine(
-            input_ids=batch.input_ids[rows],
-            attention_mask=batch.attention_mask[rows],
-            labels=batch.labels[rows],
-        )
-        engine.backward(out.loss)
+        loss = lm_batch_loss(engine, batch, rows)
+        engine.backward(loss)
         engine.step()
-        total += float(out.loss.detach()) / gas
+        total += float(loss.detach()) / gas
     return total
+
+
+def lm_batch_loss(
+    model: nn.Module, batch: SFTBatch, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`~slipstream.rlhf.losses.causal_lm_loss` of ``model`` on ``batch`` (its
+    ``rows``); the step-1 loss and PPO's PTX term."""
+    ids, mask, labels = batch.input_ids, batch.attention_mask, batch.labels
+    if rows is not None:
+        ids, mask, labels = ids[rows], mask[rows], labels[rows]
+    return causal_lm_loss(_logits(model(input_ids=ids, attention_mask=mask)), labels)
 
 
 def _micro_batches(n: int, gas: int, who: str) -> tuple[torch.Tensor, ...]:
@@ -91,14 +108,21 @@ class RewardModel(nn.Module):
     ``RewardModel``; its LM head is dropped).
 
     Args:
-        lm: a Hugging Face causal LM (``base_model`` is its transformer) or a base model.
+        lm: a Hugging Face causal LM (``base_model`` is its transformer), a base model, or
+            slipstream's :class:`~slipstream.models.gpt.GPT` (its ``lm_head`` is replaced by
+            the identity, in place, so its forward gives the last hidden states).
     """
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         cfg: Any = lm.config
         self.config = cfg
-        self.backbone = getattr(lm, "base_model", lm)
+        self.hf = not isinstance(lm, GPT)
+        if isinstance(lm, GPT):
+            lm.lm_head = nn.Identity()  # type: ignore[assignment]
+            self.backbone: nn.Module = lm
+        else:
+            self.backbone = getattr(lm, "base_model", lm)
         self.v_head = nn.Linear(int(cfg.hidden_size), 1, bias=False)
 
     def forward(
@@ -108,13 +132,14 @@ class RewardModel(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Values ``[B, T]``, one per token."""
-        out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if self.hf:
+            kwargs["use_cache"] = False
+        out = self.backbone(input_ids=input_ids, **kwargs)
+        if isinstance(out, torch.Tensor):
+            hidden = out
+        else:
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         values: torch.Tensor = self.v_head(hidden).squeeze(-1)
         return values
 
@@ -178,6 +203,12 @@ class PPOConfig:
     do_sample: bool = True
     temperature: float = 1.0
     seed: int = 0
+    ptx_coef: float = 27.8
+    """Weight of the PTX term (the LM loss on a pretraining batch passed to :meth:`PPOTrainer.step`)
+    in the actor's loss; DeepSpeed-Chat's ``unsup_coef`` default (InstructGPT's gamma)."""
+    align_overflow: bool = False
+    """When the actor's or the critic's gradients are not finite (an fp16 overflow), skip both
+    steps (DeepSpeed-Chat's ``--align_overflow``); else each engine skips only its own."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 2:
@@ -190,6 +221,8 @@ class PPOConfig:
                 f"PPOConfig: kl_coef={self.kl_coef} must be >= 0 and clip={self.clip}, "
                 f"value_clip={self.value_clip}, clip_reward={self.clip_reward} > 0"
             )
+        if not self.ptx_coef >= 0.0:
+            raise ConfigError(f"PPOConfig.ptx_coef={self.ptx_coef} must be >= 0")
         if not 0.0 <= self.ema_beta < 1.0:
             raise ConfigError(f"PPOConfig.ema_beta={self.ema_beta} must be in [0, 1)")
 
@@ -233,9 +266,18 @@ class PPOMetrics:
     score_s: float
     train_s: float
     tokens_per_s: float
+    ptx_loss: float | None = None
+    """The PTX batch's LM loss (None without a PTX batch)."""
+    skipped: bool = False
+    """The actor's or the critic's optimizer step was skipped (non-finite gradients, or
+    ``align_overflow`` after the other one's)."""
 
 
 def _logits(out: Any) -> torch.Tensor:
+    """The logits of a model's output: a Hugging Face output's ``.logits``, or the tensor the
+    reference GPT returns."""
+    if isinstance(out, torch.Tensor):
+        return out
     logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]
     return logits
 
@@ -252,6 +294,8 @@ class PPOTrainer:
         ema: an optional copy of the actor's module (``copy.deepcopy(model)`` before
             ``initialize``): after each step ``theta_ema <- lerp(theta, theta_ema, beta)``.
         log_path: JSON-lines file rank 0 appends each step's metrics to.
+        pad_token_id, eos_token_id: the tokenizer's (default: the actor's ``config``; the
+            reference GPT has none, so pass them).
     """
 
     def __init__(
@@ -263,6 +307,8 @@ class PPOTrainer:
         config: PPOConfig | None = None,
         ema: nn.Module | None = None,
         log_path: str | Path | None = None,
+        pad_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
     ) -> None:
         if getattr(actor, "hybrid_engine", None) is None:
             raise ConfigError(
@@ -274,9 +320,15 @@ class PPOTrainer:
         self.reward_model = reward_model.eval().requires_grad_(False)
         self.ema = ema.eval().requires_grad_(False) if ema is not None else None
         cfg: Any = actor.module.config
-        eos = cfg.eos_token_id
+        eos = eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None)
+        if eos is None:
+            raise ConfigError(
+                f"PPOTrainer: the actor ({type(actor.module).__name__}) has no eos_token_id in "
+                "its config; pass eos_token_id= (the tokenizer's)"
+            )
         self.eos_token_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-        self.pad_token_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+        pad = pad_token_id if pad_token_id is not None else getattr(cfg, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else 0)
         self.log_path = Path(log_path) if log_path is not None else None
         self.steps = 0
         self._previous: Experience | None = None
@@ -332,8 +384,15 @@ class PPOTrainer:
         return exp, dropped
 
     # ------------------------------------------------------------ training
-    def train_rlhf(self, exp: Experience) -> dict[str, float]:
-        """One actor step and one critic step on ``exp`` (DeepSpeed-Chat's ``train_rlhf``)."""
+    def train_rlhf(self, exp: Experience, ptx: SFTBatch | None = None) -> dict[str, Any]:
+        """One actor step and one critic step on ``exp`` (DeepSpeed-Chat's ``train_rlhf``).
+
+        With ``ptx`` (a batch of pretraining text), the actor's loss is
+        ``ppo_actor_loss + ptx_coef * LM loss(ptx)``, one backward and one step
+        (InstructGPT's objective; DeepSpeed-Chat takes a separate step on the PTX term).
+        With ``align_overflow`` both backward passes run first, then both steps, and a
+        model whose gradients overflow makes the other skip its step too.
+        """
         cfg = self.config
         start = exp.prompt_len - 1
         action_mask = exp.attention_mask[:, 1:].to(exp.logprobs.dtype)
@@ -359,14 +418,21 @@ class PPOTrainer:
         actor_loss = ppo_actor_loss(
             logp[:, start:], exp.logprobs[:, start:], advantages, mask, cfg.clip
         )
-        self.actor.backward(actor_loss)
-        self.actor.step()
+        ptx_loss = lm_batch_loss(self.actor, ptx) if ptx is not None else None
+        total = actor_loss if ptx_loss is None else actor_loss + cfg.ptx_coef * ptx_loss
+        self.actor.backward(total)
+        if not cfg.align_overflow:
+            self.actor.step()
         values = self.critic(**kwargs)[:, :-1]
         critic_loss = ppo_critic_loss(
             values[:, start:], old_values[:, start:], returns, mask, cfg.value_clip
         )
         self.critic.backward(critic_loss)
+        if cfg.align_overflow:
+            self._align_overflow()
+            self.actor.step()
         self.critic.step()
+        skipped = not (self.actor.was_step_applied() and self.critic.was_step_applied())
         if self.ema is not None:
             self._update_ema()
         with torch.no_grad():
@@ -378,12 +444,33 @@ class PPOTrainer:
             kl = exp.logprobs[:, start:] - exp.ref_logprobs[:, start:]
             denom = mask.sum().clamp(min=1.0)
         return {
+            "ptx_loss": None if ptx_loss is None else float(ptx_loss.detach()),
+            "skipped": skipped,
             "actor_loss": float(actor_loss.detach()),
             "critic_loss": float(critic_loss.detach()),
             "entropy": float((entropy * mask).sum() / denom),
             "clip_fraction": float((clipped * mask).sum() / denom),
             "kl": float((kl * mask).sum() / denom),
         }
+
+    def _align_overflow(self) -> None:
+        """Before either steps: when one model's gradients overflow, make the other skip too
+        (the overflowing one skips by itself). Only on an accumulation boundary, where the
+        steps happen; the checks are collectives every rank makes."""
+        if not (
+            self.actor.is_gradient_accumulation_boundary()
+            and self.critic.is_gradient_accumulation_boundary()
+        ):
+            return
+        actor_opt, critic_opt = self.actor.optimizer, self.critic.optimizer
+        assert actor_opt is not None and critic_opt is not None
+        actor_bad, critic_bad = actor_opt.gradients_overflow(), critic_opt.gradients_overflow()
+        if actor_bad != critic_bad:
+            log_rank0(
+                "ppo: the %s's gradients overflowed; align_overflow skips the %s's step too",
+                "actor" if actor_bad else "critic", "critic" if actor_bad else "actor",
+            )  # fmt: skip
+            (critic_opt if actor_bad else actor_opt).skip_step = True
 
     def _update_ema(self) -> None:
         """``theta_ema <- lerp(theta, theta_ema, beta)``; ZeRO-3 parameters are gathered for
@@ -393,9 +480,12 @@ class PPOTrainer:
         with torch.no_grad(), GatheredParameters(params):
             ema_update_(list(self.ema.parameters()), list(params), self.config.ema_beta)
 
-    def step(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PPOMetrics | None:
-        """``generate_experience`` then ``train_rlhf``. Returns None (and trains nothing, on
-        every rank) when some rank has no experience yet (all its first answers empty)."""
+    def step(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ptx: SFTBatch | None = None
+    ) -> PPOMetrics | None:
+        """``generate_experience`` then ``train_rlhf`` (with the PTX batch ``ptx``, if any).
+        Returns None (and trains nothing, on every rank) when some rank has no experience yet
+        (all its first answers empty)."""
         exp, dropped = self.generate_experience(prompt_ids, prompt_mask)
         t1 = time.perf_counter()
         if not _all_ranks(exp is not None):
@@ -405,7 +495,7 @@ class PPOTrainer:
             )
             return None
         assert exp is not None
-        losses = self.train_rlhf(exp)
+        losses = self.train_rlhf(exp, ptx)
         t2 = time.perf_counter()
         self.steps += 1
         n_tokens = int(exp.attention_mask[:, exp.prompt_len :].sum())
@@ -426,6 +516,8 @@ class PPOTrainer:
             score_s=score_s,
             train_s=t2 - t1,
             tokens_per_s=n_tokens / max(generate_s, 1e-9),
+            ptx_loss=losses["ptx_loss"],
+            skipped=losses["skipped"],
         )
         self._log(metrics)
         return metrics

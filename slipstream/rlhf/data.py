@@ -4,7 +4,9 @@
 A record is ``{"prompt": " Human: ... Assistant:", "chosen": " ...", "rejected": " ..."}``.
 DeepSpeed-Chat's local loader reads ``train.json`` and ``eval.json`` from a directory and
 prepends a space to each field; :func:`load_preference_records` does the same (and also takes
-one ``.json`` / ``.jsonl`` file). ``data_split="2,4,4"`` shuffles the records with a seed and
+one ``.json`` / ``.jsonl`` file, or a Hugging Face ``datasets`` directory written by
+``save_to_disk``, whose fields are taken as they are, as DeepSpeed-Chat's HF-dataset classes
+do). ``data_split="2,4,4"`` shuffles the records with a seed and
 cuts them into disjoint 20% / 40% / 40% shares for steps 1 / 2 / 3 (:func:`split_for_step`).
 
 Examples, as DeepSpeed-Chat builds them (``T`` = ``max_seq_len``):
@@ -39,6 +41,7 @@ __all__ = [
     "PromptBatch",
     "SFTBatch",
     "Tokenizer",
+    "apply_chat_template",
     "check_same_tokenizer",
     "load_preference_records",
     "pair_batch",
@@ -46,6 +49,7 @@ __all__ = [
     "prompt_batch",
     "sft_batch",
     "split_for_step",
+    "text_batch",
 ]
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -67,7 +71,7 @@ class PreferenceRecord:
     rejected: str
 
 
-def _records_from(rows: Any, source: str) -> list[PreferenceRecord]:
+def _records_from(rows: Any, source: str, leading_space: bool = True) -> list[PreferenceRecord]:
     if not isinstance(rows, list):
         raise ConfigError(f"{source}: expected a JSON list of records, got {type(rows).__name__}")
     records = []
@@ -86,7 +90,8 @@ def _records_from(rows: Any, source: str) -> list[PreferenceRecord]:
                 "not a string"
             )
         # DeepSpeed-Chat's local-JSON loader prepends a space to each field.
-        records.append(PreferenceRecord(*(" " + row[k] for k in FIELDS)))
+        space = " " if leading_space else ""
+        records.append(PreferenceRecord(*(space + row[k] for k in FIELDS)))
     return records
 
 
@@ -110,6 +115,8 @@ def load_preference_records(path: str | Path, split: str = "train") -> list[Pref
         ConfigError: no such file, or a record without ``prompt``/``chosen``/``rejected``.
     """
     path = Path(path)
+    if _is_hf_dataset_dir(path):
+        return _hf_dataset_records(path, split)
     if path.is_dir():
         candidates = [path / f"{split}.json", path / f"{split}.jsonl"]
         found = [c for c in candidates if c.is_file()]
@@ -126,6 +133,35 @@ def load_preference_records(path: str | Path, split: str = "train") -> list[Pref
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
     return _records_from(rows, str(path))
+
+
+# The files ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` write.
+_HF_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+
+
+def _is_hf_dataset_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in _HF_MARKERS)
+
+
+def _hf_dataset_records(path: Path, split: str) -> list[PreferenceRecord]:
+    """Records of a ``save_to_disk`` directory (a ``Dataset``, or a ``DatasetDict``'s
+    ``split``); the fields are used as they are (no leading space added)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(
+            f"{path} is a Hugging Face datasets directory (save_to_disk); reading it needs the "
+            "'datasets' package: pip install datasets (or export the records to train.json)"
+        ) from e
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ConfigError(
+                f"{path}: the DatasetDict has splits {sorted(data)}, not {split!r}; save the "
+                f"records under {split!r}"
+            )
+        data = data[split]
+    return _records_from(list(data), f"{path} ({split})", leading_space=False)
 
 
 def parse_data_split(data_split: str) -> list[float]:
@@ -196,6 +232,34 @@ def sft_batch(
     rows = [[*_encode(tokenizer, r.prompt + r.chosen), eos] for r in records]
     ids, mask = _right_padded(rows, max_seq_len, pad)
     return SFTBatch(ids, mask, ids.masked_fill(mask == 0, -100))
+
+
+def text_batch(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int) -> SFTBatch:
+    """Plain text (PPO's PTX data): ``text + EOS`` right-padded to ``max_seq_len``, labels
+    -100 on padding."""
+    pad, eos = _special_ids(tokenizer)
+    ids, mask = _right_padded([[*_encode(tokenizer, t), eos] for t in texts], max_seq_len, pad)
+    return SFTBatch(ids, mask, ids.masked_fill(mask == 0, -100))
+
+
+def apply_chat_template(
+    tokenizer: Any, records: Sequence[PreferenceRecord]
+) -> list[PreferenceRecord]:
+    """Wrap each prompt in the tokenizer's chat template (one user turn and the generation
+    prompt), when the tokenizer has one; answers follow as they are (the one leading space
+    DeepSpeed-Chat's loader adds is dropped). Without a template, ``records`` unchanged."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(records)
+
+    def wrap(prompt: str) -> str:
+        turn = [{"role": "user", "content": prompt.strip()}]
+        text: str = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        return text
+
+    return [
+        PreferenceRecord(wrap(r.prompt), r.chosen.removeprefix(" "), r.rejected.removeprefix(" "))
+        for r in records
+    ]
 
 
 @dataclass(frozen=True)

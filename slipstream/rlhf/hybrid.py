@@ -32,6 +32,7 @@ from slipstream.config import ConfigError
 from slipstream.config.hybrid import HybridEngineConfig
 from slipstream.distributed import comm
 from slipstream.inference import generation, hf
+from slipstream.models.gpt import GPT
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.extensions import register_engine_extension
 from slipstream.zero import gathered_model
@@ -65,7 +66,7 @@ class HybridEngine:
     """``generate`` for a training :class:`~slipstream.runtime.engine.Engine`.
 
     Args:
-        engine: the training engine (its module must be a Hugging Face causal LM).
+        engine: the training engine (its module: a Hugging Face causal LM or slipstream's GPT).
         config: the ``hybrid_engine`` block.
     """
 
@@ -154,12 +155,12 @@ def _zero3_group(module: nn.Module) -> Any:
 def _check_supported(engine: Engine) -> None:
     """Refuse, before training starts, what the hybrid engine cannot serve."""
     module, cfg = engine.module, engine.config
-    if not hf.is_hf_causal_lm(module):
+    if not (isinstance(module, GPT) or hf.is_hf_causal_lm(module)):
         raise ConfigError(
             f"hybrid_engine.enabled is true but the model is a {type(module).__name__}, not a "
-            "causal language model the generation path can drive (a Hugging Face model with "
-            "can_generate(): LlamaForCausalLM, GPT2LMHeadModel, ...); set hybrid_engine.enabled "
-            "to false for this model"
+            "causal language model the generation path can drive (slipstream's GPT, or a "
+            "Hugging Face model with can_generate(): LlamaForCausalLM, GPT2LMHeadModel, ...); "
+            "set hybrid_engine.enabled to false for this model"
         )
     if cfg.tensor_parallel.autotp_size > 1 or cfg.sequence_parallel_size > 1:
         raise ConfigError(

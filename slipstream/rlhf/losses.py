@@ -18,6 +18,7 @@ import torch.nn.functional as F
 __all__ = [
     "DPOOutput",
     "RewardModelOutput",
+    "causal_lm_loss",
     "dpo_loss",
     "first_pad_index",
     "ppo_actor_loss",
@@ -34,6 +35,17 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     logp = F.log_softmax(logits.float(), dim=-1)
     return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32) of ``logits [B, T, V]`` against ``labels [B, T]``
+    aligned with the inputs (position ``t`` predicts ``labels[:, t + 1]``, as Hugging Face
+    shifts them); -100 is ignored. Step 1's loss and PPO's PTX term, for any causal LM."""
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+    )
 
 
 @dataclass(frozen=True)

@@ -407,6 +407,14 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         error, when configured, is raised everywhere at the same step and nobody hangs.
         """
         step, norm = self.global_steps + 1, opt.global_grad_norm
+        if opt.skipped_on_request:
+            log_rank0(
+                f"step {step} skipped on request (optimizer.skip_step, e.g. RLHF's "
+                "align_overflow after the other model overflowed); parameters and optimizer "
+                "state unchanged",
+                level=logging.WARNING,
+            )
+            return None
         if self._last_loss is not None and not bool(torch.isfinite(self._last_loss).all()):
             # Rank-local hint (no communication): which rank produced the bad loss.
             logger.warning(

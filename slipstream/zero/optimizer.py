@@ -134,6 +134,11 @@ class ZeroOptimizer:
         )
         self.global_grad_norm: float | None = None
         self.overflow = False
+        self.skip_step = False
+        """Set True to make the next :meth:`step` skip (DeepSpeed's attribute; RLHF's
+        ``align_overflow`` sets it when the other model overflowed); reset by that step."""
+        self.skipped_on_request = False
+        """Whether the last :meth:`step` was skipped because of :attr:`skip_step`."""
         self.swapper: StateSwap | None = None
         if step.swap_dir is not None:
             self.swapper = StateSwap(step.swap_dir, comm.get_rank())
@@ -383,11 +388,28 @@ class ZeroOptimizer:
 
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()
+    def gradients_overflow(self) -> bool:
+        """Whether the gradients accumulated for the next :meth:`step` are not finite (what
+        would make it skip), decided the same on every rank (the norm is reduced over the
+        data-parallel group: a collective). For checks across two models before either
+        steps (RLHF's ``align_overflow``); False when overflow checking is off."""
+        if not self.check_overflow:
+            return False
+        self.reducer.wait()
+        grads = [self.reducer.grad_shard(i) for i in range(len(self.buckets))]
+        return not math.isfinite(self._norm(grads))
+
+    @torch.no_grad()
     def step(self) -> bool:
         """Unscale, clip, update and re-gather; returns False when the step was skipped."""
         self.reducer.wait()
         self.reducer.check_no_stray()
         grads = [self.reducer.grad_shard(i) for i in range(len(self.buckets))]
+        self.skipped_on_request = self.skip_step
+        if self.skip_step:  # asked to skip: no update, and no loss-scale change (no overflow)
+            self.skip_step = False
+            self.reducer.zero()
+            return False
         inv_scale = 1.0 / self.loss_scaler.scale
         norm = self._norm(grads) * inv_scale
         self.global_grad_norm = norm

@@ -17,7 +17,7 @@ def test_plain_text_drops_roles_and_literals():
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["run"], ["report"], ["convert"], ["quant"], ["plot"], ["demo"]]
+    "command", [[], ["run"], ["report"], ["convert"], ["quant"], ["plot"], ["demo"], ["chat"]]
 )
 def test_help_has_no_restructuredtext(command, capsys):
     with pytest.raises(SystemExit) as done:

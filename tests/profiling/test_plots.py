@@ -3,6 +3,7 @@ and become readable PNG curves; a directory without scalars is a clear error."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -66,3 +67,25 @@ def test_cli_writes_plots_and_refuses_an_empty_directory(
     (tmp_path / "empty").mkdir()
     assert cli_main(["plot", str(tmp_path / "empty")]) == 2
     assert "no monitor scalars" in capsys.readouterr().err
+
+
+def test_json_lines_metrics_are_read_and_summarized_as_reward_and_kl(tmp_path, capsys):
+    """The RLHF trainers' JSON-lines files: numeric keys per step (booleans, nulls and
+    torn lines skipped); ``summary.png`` leads with reward and KL."""
+    rows = [{"step": s, "reward_mean": 0.1 * s, "kl": 0.01 * s, "reused_batch": False,
+             "ptx_loss": None, "actor_loss": 1.0 / s} for s in (2, 1, 3)]  # fmt: skip
+    lines = [json.dumps(r) for r in rows] + ['{"step": 4, "reward_me']
+    (tmp_path / "ppo.jsonl").write_text("\n".join(lines))
+    scalars = read_scalars(tmp_path)
+    assert sorted(scalars) == ["ppo/actor_loss", "ppo/kl", "ppo/reward_mean"]
+    assert scalars["ppo/reward_mean"] == [(1.0, 0.1), (2.0, 0.2), (3.0, 0.1 * 3)]
+    assert main_plot(tmp_path) == 0
+    out = capsys.readouterr().out.split()
+    assert out[-1].endswith("summary.png") and _is_a_plot(Path(out[-1]))
+    assert plot_run(tmp_path, tmp_path / "only", summary_only=True) == [
+        tmp_path / "only" / "summary.png"
+    ]
+
+
+def main_plot(run: Path) -> int:
+    return cli_main(["plot", str(run)])

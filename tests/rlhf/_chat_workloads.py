@@ -229,3 +229,93 @@ def chat_checks() -> dict[str, Any]:
     ema_moved = max(float((p - sft_state[n]).abs().max()) for n, p in ema.named_parameters())
     out["ema_moved"] = ema_moved
     return out
+
+
+def _manual_lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Mean next-token cross-entropy written out token by token (differentiable)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    terms = []
+    for b in range(batch.input_ids.shape[0]):
+        for t in range(1, batch.input_ids.shape[1]):
+            if batch.labels[b, t] != -100:
+                terms.append(-torch.log_softmax(logits[b, t - 1].float(), -1)[batch.labels[b, t]])
+    return sum(terms) / len(terms)  # type: ignore[return-value]
+
+
+def ppo_extras_checks() -> dict[str, Any]:
+    """PPO's PTX term and ``align_overflow`` on 2 ranks (actor and critic at ZeRO-2, plain
+    SGD without clipping, so an update is ``-lr x gradient``).
+
+    PTX: two actors from the same weights train on the same experience, one with a PTX batch
+    (coefficient ``c``); the difference of their new weights must be ``-lr c g``, ``g`` the
+    gradient (averaged over the ranks) of the LM loss written out token by token.
+    align_overflow: a forward hook makes one model's outputs inf after the experience is
+    taken; with the option both models keep their weights, without it the other one steps.
+    """
+    from dataclasses import replace
+
+    import slipstream
+    from slipstream.distributed import comm
+    from slipstream.rlhf import PPOConfig, PPOTrainer, RewardModel, prompt_batch, text_batch
+
+    rank, world, lr, coef = comm.get_rank(), comm.get_world_size(), 0.1, 3.0
+    tok = CharTokenizer()
+
+    def sgd(hybrid: bool) -> dict[str, Any]:
+        cfg = config(2, lr, hybrid=hybrid, batch=4)
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": lr}}
+        cfg["gradient_clipping"] = 0.0
+        return cfg
+
+    def trainer(align: bool) -> PPOTrainer:
+        actor, *_ = slipstream.initialize(model=tiny_llama(), config=sgd(True))
+        critic, *_ = slipstream.initialize(model=RewardModel(tiny_llama(1)), config=sgd(False))
+        cfg = PPOConfig(max_new_tokens=6, ptx_coef=coef, align_overflow=align)
+        return PPOTrainer(actor, critic, tiny_llama(), RewardModel(tiny_llama(1)), cfg)
+
+    def weights(engine: Any) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    with_ptx, without = trainer(False), trainer(False)
+    prompts = prompt_batch(tok, records(4, seed=50 + rank), 8)
+    exp, _ = with_ptx.generate_experience(prompts.input_ids, prompts.attention_mask)
+    assert exp is not None, "every answer of the experience batch was empty"
+    ptx = text_batch(tok, [r.prompt + r.chosen for r in records(2, seed=70 + rank)], 12)
+    start = weights(with_ptx.actor)
+    manual_model = tiny_llama()
+    manual_loss = _manual_lm_loss(manual_model, ptx)
+    manual_loss.backward()
+    grads = {n: p.grad.clone() for n, p in manual_model.named_parameters()}
+    for g in grads.values():
+        comm.all_reduce(g)
+        g /= world
+    out: dict[str, Any] = {"manual_ptx_loss": float(manual_loss)}
+    out["with"] = with_ptx.train_rlhf(exp, ptx)
+    out["without"] = without.train_rlhf(exp)
+    a, b = weights(with_ptx.actor), weights(without.actor)
+    out["ptx_update_error"] = max(
+        float(((a[n] - b[n]) - (-lr * coef * grads[n])).abs().max()) for n in a
+    )
+    out["ptx_update_size"] = max(float((lr * coef * g).abs().max()) for g in grads.values())
+    out["start_equal"] = all(torch.equal(start[n], tiny_llama().state_dict()[n]) for n in start)
+
+    def overflow_round(t: PPOTrainer, module: nn.Module) -> dict[str, Any]:
+        """One train_rlhf with ``module``'s output made inf: which weights changed."""
+        before_a, before_c = weights(t.actor), weights(t.critic)
+        hook = module.register_forward_hook(lambda m, i, o: o * float("inf"))
+        try:
+            losses = t.train_rlhf(exp)
+        finally:
+            hook.remove()
+        after_a, after_c = weights(t.actor), weights(t.critic)
+        return {
+            "skipped": losses["skipped"],
+            "actor_kept": all(torch.equal(before_a[n], after_a[n]) for n in after_a),
+            "critic_kept": all(torch.equal(before_c[n], after_c[n]) for n in after_c),
+        }
+
+    out["no_align_actor_inf"] = overflow_round(without, without.actor.module.lm_head)
+    with_ptx.config = replace(with_ptx.config, align_overflow=True)
+    out["align_actor_inf"] = overflow_round(with_ptx, with_ptx.actor.module.lm_head)
+    out["align_critic_inf"] = overflow_round(with_ptx, with_ptx.critic.module.v_head)
+    return out

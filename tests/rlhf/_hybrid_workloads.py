@@ -183,6 +183,7 @@ def all_checks() -> dict[str, Any]:
         "refusals": refusals,
         "dpo": chat.dpo_checks,
         "chat": chat.chat_checks,
+        "ppo_extras": chat.ppo_extras_checks,
         "gen3": lambda: generation_checks(3),
         "trip3": lambda: round_trip_checks(3),
         "grpo": grpo_demo,

@@ -122,3 +122,62 @@ def test_a_reward_tokenizer_unlike_the_actors_is_refused():
 def test_ppo_config_refuses_one_token_answers():
     with pytest.raises(ConfigError, match="max_new_tokens=1"):
         PPOConfig(max_new_tokens=1)
+
+
+# ------------------------------------------------------------------ PPO extras
+
+
+def test_ptx_term_adds_coef_times_the_lm_gradient_to_the_actor_update(rlhf_world):
+    """Two actors, same weights and experience, SGD: the one given a PTX batch differs from
+    the other by exactly -lr x ptx_coef x the gradient of the hand-written LM loss."""
+    for r in result(rlhf_world, "ppo_extras"):
+        assert r["start_equal"]
+        assert r["with"]["ptx_loss"] == pytest.approx(r["manual_ptx_loss"], rel=1e-5)
+        assert r["without"]["ptx_loss"] is None
+        assert r["ptx_update_size"] > 1e-3  # the PTX term moves the weights measurably...
+        assert r["ptx_update_error"] < 1e-5  # ...by exactly its share
+
+
+def test_align_overflow_skips_both_steps_when_either_model_overflows(rlhf_world):
+    for r in result(rlhf_world, "ppo_extras"):
+        plain = r["no_align_actor_inf"]  # without the option only the actor skips
+        assert plain["skipped"] and plain["actor_kept"] and not plain["critic_kept"]
+        for case in ("align_actor_inf", "align_critic_inf"):
+            assert r[case] == {"skipped": True, "actor_kept": True, "critic_kept": True}, case
+
+
+def test_text_batch_and_chat_template():
+    from slipstream.rlhf import PreferenceRecord, apply_chat_template, text_batch
+
+    batch = text_batch(CharTokenizer(), [" 12", " 3"], 5)
+    assert batch.input_ids.tolist() == [[3, 5, 6, EOS, PAD], [3, 7, EOS, PAD, PAD]]
+    assert batch.labels[1].tolist() == [3, 7, EOS, -100, -100]
+
+    class Templated(CharTokenizer):
+        chat_template = "{user}"
+
+        def apply_chat_template(self, turns, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return f"<u>{turns[0]['content']}<a>"
+
+    rec = PreferenceRecord(" 31:", " 13", " 31")
+    assert apply_chat_template(CharTokenizer(), [rec]) == [rec]  # no template: unchanged
+    (wrapped,) = apply_chat_template(Templated(), [rec])
+    assert (wrapped.prompt, wrapped.chosen, wrapped.rejected) == ("<u>31:<a>", "13", "31")
+
+
+def test_datasets_directories_load_or_name_the_missing_package(tmp_path):
+    rows = [{"prompt": "p", "chosen": "c", "rejected": "r"}]
+    (tmp_path / "dataset_info.json").write_text("{}")
+    try:
+        import datasets
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"needs the 'datasets' package: pip install"):
+            load_preference_records(tmp_path)
+        return
+    data = tmp_path / "hf"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(data))
+    (rec,) = load_preference_records(data)
+    assert (rec.prompt, rec.chosen, rec.rejected) == ("p", "c", "r")  # no space added
+    with pytest.raises(ConfigError, match=r"splits \['train'\], not 'eval'"):
+        load_preference_records(data, "eval")

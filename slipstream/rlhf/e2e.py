@@ -1,0 +1,584 @@
+"""``slipstream chat``: DeepSpeed-Chat's three steps end to end (its ``e2e_rlhf.py``).
+
+Step 1 (SFT) trains the actor on its share of the preference records, step 2 a reward model
+on its share, step 3 PPO (:class:`~slipstream.rlhf.chat.PPOTrainer`) with the step-1 actor,
+its frozen copy as the reference, the step-2 model as the critic and as the frozen reward
+model. Each step trains ``epochs`` passes over its share and saves its model under
+``OUTPUT/step1_sft``, ``OUTPUT/step2_reward``, ``OUTPUT/step3_rlhf/actor`` (and ``critic``,
+``actor_ema``); ``step="all"`` feeds each step's output to the next.
+
+Models are local Hugging Face directories (``AutoModelForCausalLM`` and ``AutoTokenizer``,
+offline) or slipstream's reference GPT, named ``gpt:PRESET`` (``tiny``, ``small``, ``25m``)
+with a character tokenizer built from the data, and saved as ``slipstream_gpt.json`` +
+``model.pt`` + ``tokenizer.json``. A reward-model directory (step 2's output) also holds
+``v_head.pt``. Every rank runs this (``slipstream run --nproc N -m slipstream.cli.main chat
+...``); each takes its own slice of every batch, rank 0 writes the files.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream._logging import log_rank0
+from slipstream.config import ConfigError
+from slipstream.distributed import comm
+from slipstream.models.gpt import GPT, GPTConfig
+from slipstream.rlhf.chat import PPOConfig, PPOMetrics, PPOTrainer, RewardModel, reward_step
+from slipstream.rlhf.chat import sft_step as _sft_step
+from slipstream.rlhf.data import (
+    PreferenceRecord,
+    apply_chat_template,
+    check_same_tokenizer,
+    load_preference_records,
+    pair_batch,
+    prompt_batch,
+    sft_batch,
+    split_for_step,
+    text_batch,
+)
+from slipstream.runtime.engine import Engine
+from slipstream.runtime.initialize import initialize
+from slipstream.zero import gathered_model
+
+__all__ = [
+    "CharTokenizer",
+    "ChatOptions",
+    "load_lm",
+    "load_reward_model",
+    "run_chat",
+]
+
+GPT_FILE = "slipstream_gpt.json"
+V_HEAD_FILE = "v_head.pt"
+STEP_DIRS = {1: "step1_sft", 2: "step2_reward", 3: "step3_rlhf"}
+
+
+@dataclass
+class ChatOptions:
+    """What ``slipstream chat`` takes (defaults: DeepSpeed-Chat's where it has one)."""
+
+    actor: str
+    data: str
+    output: str
+    reward: str | None = None
+    step: str = "all"
+    """``"1"``, ``"2"``, ``"3"`` or ``"all"``."""
+    data_split: str = "2,4,4"
+    seed: int = 1234
+    epochs: int = 1
+    step_epochs: dict[int, int] = field(default_factory=dict)
+    """Per-step overrides of ``epochs``."""
+    batch_size: int = 4
+    """Records per rank per optimizer step (micro-batch x gradient accumulation)."""
+    max_seq_len: int = 512
+    max_prompt_len: int = 256
+    max_answer_len: int = 256
+    sft_lr: float = 9.65e-6
+    reward_lr: float = 5e-5
+    actor_lr: float = 9.65e-6
+    critic_lr: float = 5e-6
+    actor_zero_stage: int = 0
+    critic_zero_stage: int = 0
+    actor_config: str | None = None
+    """A DeepSpeed JSON config for the actor (steps 1 and 3); its keys win over the flags'."""
+    critic_config: str | None = None
+    """The same for the reward model and critic (steps 2 and 3)."""
+    kl_coef: float = 0.1
+    temperature: float = 1.0
+    unsupervised_data: str | None = None
+    """PTX text (``.txt``: one text per line; ``.json``/``.jsonl``: records with ``text``)."""
+    ptx_coef: float = 27.8
+    align_overflow: bool = False
+    enable_ema: bool = False
+    drop_long_prompts: bool = False
+
+    def epochs_of(self, step: int) -> int:
+        return self.step_epochs.get(step, self.epochs)
+
+
+# ---------------------------------------------------------------------------- tokenizers
+
+
+class CharTokenizer:
+    """One id per character, for the reference GPT: pad 0, EOS 1, the characters from 2.
+
+    Built from the data (:meth:`from_texts`), saved with the model (``tokenizer.json``).
+    """
+
+    pad_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    chat_template = None
+
+    def __init__(self, chars: str) -> None:
+        self.chars = chars
+        self._ids = {c: i + 2 for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_texts(cls, texts: Sequence[str]) -> CharTokenizer:
+        return cls("".join(sorted(set("".join(texts)))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) + 2
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError as e:
+            raise ConfigError(
+                f"character {e.args[0]!r} of {text[:40]!r} is not in this character "
+                f"tokenizer's vocabulary ({self.chars!r}): the model was built from other data"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i - 2] for i in ids if i >= 2)
+
+    def save(self, directory: Path) -> None:
+        (directory / "tokenizer.json").write_text(json.dumps({"type": "char", "chars": self.chars}))
+
+    @classmethod
+    def load(cls, directory: Path) -> CharTokenizer:
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        return cls(spec["chars"])
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def _model_kind(spec: str, what: str) -> str:
+    """``"preset"`` (``gpt:NAME``), ``"gpt"`` (a saved reference GPT) or ``"hf"``."""
+    if spec.startswith("gpt:"):
+        return "preset"
+    path = Path(spec)
+    if (path / GPT_FILE).is_file():
+        return "gpt"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise ConfigError(
+        f"--{what} {spec!r} is neither a Hugging Face model directory (no config.json), a "
+        f"saved slipstream GPT (no {GPT_FILE}) nor gpt:PRESET (gpt:tiny, gpt:small, gpt:25m)"
+    )
+
+
+def load_tokenizer(spec: str, what: str, texts: Sequence[str]) -> Any:
+    """The tokenizer of model ``spec`` (cheap: no weights), so that the actor's and the
+    reward model's can be compared before any training. A Hugging Face tokenizer without a
+    pad token gets its EOS as pad (as DeepSpeed-Chat does)."""
+    kind = _model_kind(spec, what)
+    if kind == "preset":
+        return CharTokenizer.from_texts(texts)
+    if kind == "gpt":
+        return CharTokenizer.load(Path(spec))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _gpt_from_preset(spec: str, tok: CharTokenizer, max_len: int, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig.preset(
+        spec.removeprefix("gpt:"), vocab_size=tok.vocab_size, max_seq_len=max_len
+    )
+    return GPT(cfg)
+
+
+def _load_gpt(path: Path) -> tuple[GPT, dict[str, Any]]:
+    meta = json.loads((path / GPT_FILE).read_text())
+    return GPT(GPTConfig(**meta["config"])), meta
+
+
+def load_lm(spec: str, tok: Any, max_len: int, seed: int) -> nn.Module:
+    """The causal LM ``spec`` names (``--actor``): new (``gpt:PRESET``) or loaded."""
+    kind = _model_kind(spec, "actor")
+    if kind == "preset":
+        return _gpt_from_preset(spec, tok, max_len, seed)
+    if kind == "gpt":
+        model, meta = _load_gpt(Path(spec))
+        if meta.get("reward"):
+            raise ConfigError(f"--actor {spec} is a reward model (step 2's output), not an LM")
+        model.load_state_dict(torch.load(Path(spec) / "model.pt", weights_only=True))
+        return model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
+
+
+def is_trained_reward_model(spec: str) -> bool:
+    """Whether ``spec`` is a directory step 2 wrote (it holds the value head)."""
+    path = Path(spec)
+    if (path / GPT_FILE).is_file():
+        return bool(json.loads((path / GPT_FILE).read_text()).get("reward"))
+    return (path / V_HEAD_FILE).is_file()
+
+
+def _require_trained_reward_model(spec: str) -> None:
+    if not is_trained_reward_model(spec):
+        raise ConfigError(
+            f"step 3 needs a trained reward model (step 2's output directory); --reward {spec} "
+            "is not one (an LM or gpt:PRESET): run --step 2 first, or --step all"
+        )
+
+
+def load_reward_model(spec: str, tok: Any, max_len: int, seed: int) -> RewardModel:
+    """``--reward``: a trained reward model (step 2's output: the value head is loaded) or
+    an LM to start step 2 from (a new value head; its LM head is dropped)."""
+    kind = _model_kind(spec, "reward")
+    path = Path(spec)
+    if kind == "preset":
+        return RewardModel(_gpt_from_preset(spec, tok, max_len, seed + 1))
+    if kind == "gpt":
+        gpt, meta = _load_gpt(path)
+        rm = RewardModel(gpt)
+        state = torch.load(path / "model.pt", weights_only=True)
+        if meta.get("reward"):
+            rm.load_state_dict(state)
+        else:  # an LM: its LM head is dropped, the value head is new
+            rm.backbone.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"})
+        return rm
+    from transformers import AutoModel
+
+    if is_trained_reward_model(spec):
+        rm = RewardModel(AutoModel.from_pretrained(spec, local_files_only=True))
+        rm.v_head.load_state_dict(torch.load(path / V_HEAD_FILE, weights_only=True))
+        return rm
+    from transformers import AutoModelForCausalLM
+
+    return RewardModel(AutoModelForCausalLM.from_pretrained(spec, local_files_only=True))
+
+
+def _full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as whole tensors on every rank (ZeRO-3 gathered for it)."""
+    with gathered_model(module):
+        return {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
+
+
+def save_model(module: nn.Module, tok: Any, directory: Path) -> None:
+    """Write a causal LM or a :class:`RewardModel` (every rank calls; rank 0 writes): Hugging
+    Face ``save_pretrained`` (plus ``v_head.pt`` for a reward model) or the GPT layout."""
+    state = _full_state(module)
+    if comm.get_rank() != 0:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    reward = isinstance(module, RewardModel)
+    inner = module.backbone if isinstance(module, RewardModel) else module
+    if isinstance(inner, GPT):
+        meta = {"config": asdict(inner.config), "reward": reward}
+        (directory / GPT_FILE).write_text(json.dumps(meta, indent=1))
+        torch.save(state, directory / "model.pt")
+        tok.save(directory)
+        return
+    if reward:
+        backbone = {
+            k.removeprefix("backbone."): v for k, v in state.items() if k != "v_head.weight"
+        }
+        inner.save_pretrained(directory, state_dict=backbone)  # type: ignore[operator]
+        torch.save({"weight": state["v_head.weight"]}, directory / V_HEAD_FILE)
+    else:
+        module.save_pretrained(directory, state_dict=state)  # type: ignore[operator]
+    tok.save_pretrained(directory)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def _read_texts(path: str) -> list[str]:
+    """PTX text: a ``.txt`` file (one text per non-empty line) or JSON/JSONL records with a
+    ``text`` field."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--unsupervised-data {path} does not exist")
+    raw = p.read_text()
+    if p.suffix == ".txt":
+        return [line for line in raw.splitlines() if line.strip()]
+    rows = (
+        [json.loads(line) for line in raw.splitlines() if line.strip()]
+        if p.suffix == ".jsonl"
+        else json.loads(raw)
+    )
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ConfigError(
+                f"{path}: record {i} has no 'text' string; PTX data is a .txt file (one text "
+                'per line) or JSON records {"text": ...}'
+            )
+    return [row["text"] for row in rows]
+
+
+def _rank_batches(
+    items: Sequence[Any], per_rank: int, epoch: int, seed: int, what: str
+) -> Iterator[list[Any]]:
+    """One epoch of ``items``: shuffled with ``seed + epoch``; each optimizer step gives
+    every rank its own ``per_rank`` items (an incomplete last step is dropped, so all ranks
+    take the same number of steps)."""
+    world, rank = comm.get_world_size(), comm.get_rank()
+    steps = len(items) // (per_rank * world)
+    if steps == 0:
+        raise ConfigError(
+            f"{what} has {len(items)} records, fewer than --batch-size {per_rank} x {world} "
+            "ranks for one step; give more data, a smaller --batch-size or a different "
+            "--data-split"
+        )
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed + epoch))
+    for s in range(steps):
+        lo = (s * world + rank) * per_rank
+        yield [items[int(i)] for i in order[lo : lo + per_rank]]
+
+
+def _engine_config(
+    user: str | None, batch: int, lr: float, stage: int, hybrid_tokens: int | None
+) -> dict[str, Any]:
+    """The flags' config, updated by the user's JSON (whose keys win); the hybrid engine is
+    switched on for the PPO actor unless the JSON sets it."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 1.0,
+    }
+    if user is not None:
+        path = Path(user)
+        if not path.is_file():
+            raise ConfigError(f"DeepSpeed config {user} does not exist")
+        try:
+            loaded = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"DeepSpeed config {user}: not valid JSON ({e})") from e
+        if "train_batch_size" in loaded or "train_micro_batch_size_per_gpu" in loaded:
+            config.pop("train_micro_batch_size_per_gpu")
+        config.update(loaded)
+    if hybrid_tokens is not None:
+        block = config.setdefault("hybrid_engine", {})
+        block.setdefault("enabled", True)
+        block.setdefault("max_out_tokens", hybrid_tokens)
+    return config
+
+
+def _per_rank(engine: Engine) -> int:
+    return engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
+
+
+class _MetricsFile:
+    """A JSON-lines file rank 0 appends to (``slipstream plot`` reads it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if comm.get_rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def write(self, row: dict[str, Any]) -> None:
+        if comm.get_rank() == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------- the steps
+
+
+@dataclass
+class _Run:
+    opts: ChatOptions
+    records: list[PreferenceRecord]
+    actor_tok: Any
+    reward_tok: Any
+    max_len: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def out(self, step: int) -> Path:
+        return Path(self.opts.output) / STEP_DIRS[step]
+
+    def share(self, step: int) -> list[PreferenceRecord]:
+        return split_for_step(self.records, step, self.opts.data_split, self.opts.seed)
+
+
+def _step1(run: _Run) -> None:
+    o = run.opts
+    model = load_lm(o.actor, run.actor_tok, run.max_len, o.seed)
+    config = _engine_config(o.actor_config, o.batch_size, o.sft_lr, o.actor_zero_stage, None)
+    engine, *_ = initialize(model=model, config=config)
+    data, metrics, step = run.share(1), _MetricsFile(run.out(1) / "metrics.jsonl"), 0
+    for epoch in range(o.epochs_of(1)):
+        for rows in _rank_batches(data, _per_rank(engine), epoch, o.seed, "step 1's share"):
+            step += 1
+            loss = _sft_step(engine, sft_batch(run.actor_tok, rows, o.max_seq_len))
+            metrics.write({"step": step, "epoch": epoch, "loss": loss})
+            run.summary["step1_loss"] = loss
+        log_rank0("chat step 1: epoch %d, loss %.4f", epoch, run.summary["step1_loss"])
+    save_model(engine.module, run.actor_tok, run.out(1))
+    engine.destroy()
+
+
+def _step2(run: _Run) -> None:
+    o = run.opts
+    assert o.reward is not None
+    rm = load_reward_model(o.reward, run.reward_tok, run.max_len, o.seed)
+    config = _engine_config(o.critic_config, o.batch_size, o.reward_lr, o.critic_zero_stage, None)
+    engine, *_ = initialize(model=rm, config=config)
+    data, metrics, step = run.share(2), _MetricsFile(run.out(2) / "metrics.jsonl"), 0
+    pad = int(run.reward_tok.pad_token_id)
+    for epoch in range(o.epochs_of(2)):
+        for rows in _rank_batches(data, _per_rank(engine), epoch, o.seed, "step 2's share"):
+            step += 1
+            out = reward_step(engine, pair_batch(run.reward_tok, rows, o.max_seq_len), pad)
+            row = {
+                "step": step, "epoch": epoch, "loss": float(out.loss),
+                "accuracy": float(out.accuracy),
+                "chosen_score": float(out.chosen_scores.mean()),
+                "rejected_score": float(out.rejected_scores.mean()),
+            }  # fmt: skip
+            metrics.write(row)
+            run.summary["step2_loss"], run.summary["step2_accuracy"] = row["loss"], row["accuracy"]
+        log_rank0(
+            "chat step 2: epoch %d, loss %.4f, accuracy %.3f",
+            epoch, run.summary["step2_loss"], run.summary["step2_accuracy"],
+        )  # fmt: skip
+    save_model(engine.module, run.reward_tok, run.out(2))
+    engine.destroy()
+
+
+def _step3(run: _Run, actor_spec: str, reward_spec: str) -> None:
+    o = run.opts
+    if _model_kind(actor_spec, "actor") == "preset":
+        log_rank0("chat step 3: the actor %s is untrained (no SFT)", actor_spec)
+
+    def lm() -> nn.Module:
+        return load_lm(actor_spec, run.actor_tok, run.max_len, o.seed)
+
+    def rm() -> RewardModel:
+        return load_reward_model(reward_spec, run.reward_tok, run.max_len, o.seed)
+
+    hybrid = o.max_prompt_len + o.max_answer_len
+    actor_cfg = _engine_config(o.actor_config, o.batch_size, o.actor_lr, o.actor_zero_stage, hybrid)
+    critic_cfg = _engine_config(
+        o.critic_config, o.batch_size, o.critic_lr, o.critic_zero_stage, None
+    )
+    actor_model = lm()
+    ema = copy.deepcopy(actor_model) if o.enable_ema else None
+    actor, *_ = initialize(model=actor_model, config=actor_cfg)
+    critic, *_ = initialize(model=rm(), config=critic_cfg)
+    ppo = PPOConfig(
+        max_new_tokens=o.max_answer_len, kl_coef=o.kl_coef, temperature=o.temperature,
+        seed=o.seed, ptx_coef=o.ptx_coef, align_overflow=o.align_overflow,
+    )  # fmt: skip
+    tok = run.actor_tok
+    trainer = PPOTrainer(
+        actor, critic, lm(), rm(), ppo, ema=ema, log_path=None,
+        pad_token_id=int(tok.pad_token_id), eos_token_id=int(tok.eos_token_id),
+    )  # fmt: skip
+    metrics = _MetricsFile(run.out(3) / "ppo.jsonl")
+    ptx_texts = _read_texts(o.unsupervised_data) if o.unsupervised_data else None
+    data, per_rank, last = run.share(3), _per_rank(actor), None
+    for epoch in range(o.epochs_of(3)):
+        batches = _rank_batches(data, per_rank, epoch, o.seed, "step 3's share")
+        for i, rows in enumerate(batches):
+            prompts = prompt_batch(tok, rows, o.max_prompt_len, o.drop_long_prompts)
+            ptx = None
+            if ptx_texts:
+                ptx = text_batch(tok, _ptx_rows(ptx_texts, i, per_rank), o.max_seq_len)
+            m = trainer.step(prompts.input_ids, prompts.attention_mask, ptx)
+            if m is not None:
+                metrics.write(asdict(m))
+                last = m
+    if last is not None:
+        run.summary.update(_ppo_summary(last))
+    out = run.out(3)
+    save_model(actor.module, tok, out / "actor")
+    save_model(critic.module, run.reward_tok, out / "critic")
+    if ema is not None:
+        save_model(ema, tok, out / "actor_ema")
+    _plot(out)
+    actor.destroy()
+    critic.destroy()
+
+
+def _ptx_rows(texts: list[str], step: int, n: int) -> list[str]:
+    """Step ``step``'s PTX texts for this rank (cycling through ``texts``)."""
+    start = (step * comm.get_world_size() + comm.get_rank()) * n
+    return [texts[(start + j) % len(texts)] for j in range(n)]
+
+
+def _ppo_summary(m: PPOMetrics) -> dict[str, Any]:
+    return {"step3_reward_mean": m.reward_mean, "step3_kl": m.kl, "step3_steps": m.step}
+
+
+def _plot(directory: Path) -> None:
+    """Step 3's reward and KL curves side by side (``plots/summary.png``) when matplotlib is
+    installed; ``slipstream plot`` draws every metric."""
+    if comm.get_rank() != 0:
+        return
+    from slipstream.profiling.plots import plot_run
+
+    try:
+        plot_run(directory, directory / "plots", summary_only=True)
+    except ImportError as e:
+        log_rank0("chat: no plot of step 3 (%s); `slipstream plot %s` draws it later", e, directory)
+
+
+def _load_records(opts: ChatOptions) -> list[PreferenceRecord]:
+    return load_preference_records(opts.data)
+
+
+def _steps(step: str) -> list[int]:
+    if step == "all":
+        return [1, 2, 3]
+    if step in ("1", "2", "3"):
+        return [int(step)]
+    raise ConfigError(f"--step {step!r}: use 1, 2, 3 or all")
+
+
+def run_chat(opts: ChatOptions) -> dict[str, Any]:
+    """Run the steps ``opts.step`` names; returns a summary (last losses, accuracy, PPO
+    reward and KL). Everything checkable is checked before training: the steps, the data
+    (every record), the models' kinds, the two tokenizers agree, the prompts fit.
+
+    Raises:
+        ConfigError: bad input, named.
+    """
+    steps = _steps(opts.step)
+    raw = _load_records(opts)
+    if (2 in steps or 3 in steps) and opts.reward is None:
+        raise ConfigError(
+            "--reward is required for steps 2 and 3 (a model directory or gpt:PRESET)"
+        )
+    texts = [r.prompt + r.chosen + r.rejected for r in raw]
+    if opts.unsupervised_data:
+        texts += _read_texts(opts.unsupervised_data)
+    actor_tok = load_tokenizer(opts.actor, "actor", texts)
+    reward_tok = load_tokenizer(opts.reward, "reward", texts) if opts.reward else actor_tok
+    records = apply_chat_template(actor_tok, raw)
+    sample = [r.prompt + r.chosen for r in records[:8]]
+    if opts.reward is not None and 3 in steps:
+        check_same_tokenizer(actor_tok, reward_tok, sample)
+    if steps == [3]:
+        _require_trained_reward_model(str(opts.reward))
+    if 3 in steps:  # refuse over-long prompts now, not after steps 1 and 2
+        share = split_for_step(records, 3, opts.data_split, opts.seed)
+        prompt_batch(actor_tok, share, opts.max_prompt_len, opts.drop_long_prompts)
+    max_len = max(opts.max_seq_len, opts.max_prompt_len + opts.max_answer_len)
+    comm.init_distributed()
+    run = _Run(opts, records, actor_tok, reward_tok, max_len)
+    actor, reward = opts.actor, opts.reward
+    for step in steps:
+        log_rank0("chat: step %d -> %s", step, run.out(step))
+        if step == 1:
+            _step1(run)
+            actor = str(run.out(1))
+        elif step == 2:
+            _step2(run)
+            reward = str(run.out(2))
+        else:
+            assert reward is not None
+            _step3(run, actor, reward)
+    comm.barrier()
+    return run.summary

@@ -1,0 +1,104 @@
+"""``slipstream chat``: the three DeepSpeed-Chat steps end to end on a tiny reference GPT (one
+process, through the command line), and bad input refused before any training."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.cli.main import main
+from tests.rlhf._chat_workloads import records
+
+SMALL = [
+    "--batch-size", "2", "--max-seq-len", "12", "--max-prompt-len", "6",
+    "--max-answer-len", "4", "--sft-lr", "1e-2", "--reward-lr", "1e-2",
+    "--actor-lr", "1e-3", "--critic-lr", "1e-3",
+]  # fmt: skip
+
+
+def _write_data(directory: Path, n: int) -> Path:
+    rows = [{"prompt": r.prompt[1:], "chosen": r.chosen[1:], "rejected": r.rejected[1:]}
+            for r in records(n, seed=5)]  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "train.json").write_text(json.dumps(rows))
+    return directory
+
+
+def _state(directory: Path) -> dict[str, torch.Tensor]:
+    return torch.load(directory / "model.pt", weights_only=True)
+
+
+def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path):
+    data, out = _write_data(tmp_path / "data", 20), tmp_path / "out"
+    cmd = [sys.executable, "-m", "slipstream.cli.main", "chat", "--actor", "gpt:tiny",
+           "--reward", "gpt:tiny", "--data", str(data), "--output", str(out), "--step", "all",
+           "--step2-epochs", "2", *SMALL]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # 20 records, 2,4,4 split: 4 / 8 / 8 records at 2 per step -> 2, 2 x 4 and 4 steps.
+    rows = {
+        k: [json.loads(x) for x in (out / f).read_text().splitlines()]
+        for k, f in (("sft", "step1_sft/metrics.jsonl"), ("rm", "step2_reward/metrics.jsonl"),
+                     ("ppo", "step3_rlhf/ppo.jsonl"))
+    }  # fmt: skip
+    assert [len(rows[k]) for k in ("sft", "rm", "ppo")] == [2, 8, 4]
+    assert [r["epoch"] for r in rows["rm"]] == [0] * 4 + [1] * 4
+    assert summary["step2_accuracy"] == rows["rm"][-1]["accuracy"]
+    assert rows["rm"][0]["loss"] == pytest.approx(math.log(2.0), abs=0.1)  # a new value head
+    assert rows["ppo"][0]["kl"] == 0.0  # the actor starts as the reference (the SFT model)
+    assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["kl"]) for r in rows["ppo"])
+    # Step 3 starts from step 1's actor and step 2's reward model and trains both copies.
+    sft, rm = _state(out / "step1_sft"), _state(out / "step2_reward")
+    actor, critic = _state(out / "step3_rlhf/actor"), _state(out / "step3_rlhf/critic")
+    assert set(actor) == set(sft) and "v_head.weight" in rm and set(critic) == set(rm)
+    assert any(not torch.equal(actor[k], sft[k]) for k in sft)
+    assert any(not torch.equal(critic[k], rm[k]) for k in rm)
+    assert json.loads((out / "step2_reward/slipstream_gpt.json").read_text())["reward"]
+    pytest.importorskip("matplotlib")
+    assert [p.name for p in (out / "step3_rlhf/plots").iterdir()] == ["summary.png"]
+
+
+def _chat(tmp_path: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> str:
+    argv = ["chat", "--output", str(tmp_path / "out"), *SMALL, *args]
+    assert main(argv) == 2
+    assert not (tmp_path / "out").exists()  # refused before any step started
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_chat_refuses_records_missing_keys(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.json").write_text(json.dumps([{"prompt": "12:", "chosen": "12"}]))
+    err = _chat(tmp_path, "--actor", "gpt:tiny", "--reward", "gpt:tiny", "--data", str(data),
+                capsys=capsys)  # fmt: skip
+    assert "train.json: record 0 has no 'rejected'" in err
+
+
+def test_chat_refuses_a_reward_tokenizer_unlike_the_actors(tmp_path, capsys):
+    from slipstream.models.gpt import GPT, GPTConfig
+    from slipstream.rlhf.e2e import CharTokenizer, save_model
+
+    data = _write_data(tmp_path / "data", 20)
+    other = CharTokenizer(" 0123456789:"[::-1])  # the same characters, other ids
+    reward_dir = tmp_path / "reward_lm"
+    save_model(GPT(GPTConfig.preset("tiny", vocab_size=other.vocab_size)), other, reward_dir)
+    err = _chat(tmp_path, "--actor", "gpt:tiny", "--reward", str(reward_dir), "--data",
+                str(data), capsys=capsys)  # fmt: skip
+    assert "the reward and actor tokenizers encode" in err and "same tokenizer" in err
+
+
+def test_chat_refuses_step3_without_a_trained_reward_model_and_unknown_models(tmp_path, capsys):
+    data = _write_data(tmp_path / "data", 20)
+    err = _chat(tmp_path, "--actor", "gpt:tiny", "--reward", "gpt:tiny", "--data", str(data),
+                "--step", "3", capsys=capsys)  # fmt: skip
+    assert "step 3 needs a trained reward model" in err
+    err = _chat(tmp_path, "--actor", str(tmp_path), "--data", str(data), "--step", "1",
+                capsys=capsys)  # fmt: skip
+    assert "is neither a Hugging Face model directory (no config.json)" in err
