@@ -247,6 +247,25 @@ class TorchAccelerator:
     def Event(self) -> Any:
         return torch.cuda.Event if self._cuda else None
 
+    # --- graphs (DeepSpeed's accelerator names) ----------------------------------------------
+
+    def create_graph(self) -> Any:
+        """A new CUDA graph (None on CPU, which has no graphs)."""
+        return torch.cuda.CUDAGraph() if self._cuda else None
+
+    def capture_to_graph(
+        self, graph: Any, pool: Any = None, stream: Any = None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Record the kernels launched inside the block into ``graph`` (not run them)."""
+        if not self._cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+    def replay_graph(self, graph: Any) -> None:
+        """Launch every kernel recorded in ``graph`` on its captured buffers."""
+        if self._cuda:
+            graph.replay()
+
     def range_push(self, msg: str) -> None:
         if self._cuda:
             torch.cuda.nvtx.range_push(msg)

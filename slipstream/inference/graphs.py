@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.accelerator import get_accelerator
 from slipstream.inference import hf
 
 __all__ = ["GraphedDecoder"]
@@ -111,19 +112,20 @@ class GraphedDecoder:
         self.steps += 1
         if not self.capture:
             return self._forward()
+        accel = get_accelerator()
         if self.steps == 1:  # eagerly, on a side stream: the libraries set up outside capture
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            side = accel.Stream()
+            side.wait_stream(accel.current_stream())
+            with accel.stream(side):
                 logits = self._forward()
-            torch.cuda.current_stream().wait_stream(side)
+            accel.current_stream().wait_stream(side)
             return logits
         if self.graph is None:
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            accel.synchronize()
+            self.graph = accel.create_graph()
+            with accel.capture_to_graph(self.graph):
                 self.logits = self._forward()
-        self.graph.replay()
+        accel.replay_graph(self.graph)
         return self.logits
 
 
