@@ -16,13 +16,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from slipstream.config import ConfigError
-from slipstream.models.lora import apply_lora_, only_optimize_lora_parameters
+from slipstream.models.lora import LoRALinear, apply_lora_, only_optimize_lora_parameters
 from slipstream.runtime.engine import Engine
 
-__all__ = ["LoRAPolicy", "apply_lora_policy_"]
+__all__ = ["LoRAPolicy", "apply_lora_policy_", "merge_lora_state_dict"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,25 @@ def apply_lora_policy_(model: nn.Module, policy: LoRAPolicy) -> list[str]:
     if policy.only_optimize_lora:
         only_optimize_lora_parameters(model, policy.force_optimize)
     return converted
+
+
+def merge_lora_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``state`` (a whole-tensor state dict of ``model``) with every adapter merged into its
+    base weight (``W + scaling * B A``, in fp32) and the ``lora_a`` / ``lora_b`` keys dropped:
+    what DeepSpeed-Chat saves after ``convert_lora_to_linear_layer``, a plain model that loads
+    without LoRA.
+
+    Raises:
+        KeyError: ``state`` lacks a converted layer's weight or adapters (not ``model``'s).
+    """
+    out = dict(state)
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoRALinear):
+            continue
+        prefix = f"{name}." if name else ""
+        a, b = out.pop(prefix + "lora_a"), out.pop(prefix + "lora_b")
+        w = out[prefix + "weight"]
+        out[prefix + "weight"] = (w.float() + (b.float() @ a.float()) * layer.scaling).to(w.dtype)
+    return out

@@ -187,3 +187,51 @@ CHECKS = {
     "lora_trip2": lambda: round_trip_checks(2, only_lora=True),
     "lora_ppo": ppo_checks,
 }
+
+
+def chat_step3_with_lora(directory: str) -> dict[str, Any]:
+    """``slipstream chat --step 3`` (one rank) from a saved reference GPT and a saved reward
+    model, with LoRA on actor and critic (adapters only) and both frozen models offloaded.
+    Returns the saved models' states before and after."""
+    import json
+    from pathlib import Path
+
+    from slipstream.rlhf import RewardModel
+    from slipstream.rlhf.e2e import (
+        CharTokenizer,
+        ChatOptions,
+        _gpt_from_preset,
+        run_chat,
+        save_model,
+    )
+    from tests.rlhf._chat_workloads import records
+
+    root = Path(directory)
+    rows = [{"prompt": r.prompt[1:], "chosen": r.chosen[1:], "rejected": r.rejected[1:]}
+            for r in records(20, seed=5)]  # fmt: skip
+    (root / "data").mkdir()
+    (root / "data" / "train.json").write_text(json.dumps(rows))
+    tok = CharTokenizer(" 0123456789:")
+    save_model(_gpt_from_preset("gpt:tiny", tok, 16, 0), tok, root / "sft")
+    save_model(RewardModel(_gpt_from_preset("gpt:tiny", tok, 16, 1)), tok, root / "rm")
+    opts = ChatOptions(
+        actor=str(root / "sft"), reward=str(root / "rm"), data=str(root / "data"),
+        output=str(root / "out"), step="3", batch_size=2, max_seq_len=12, max_prompt_len=6,
+        max_answer_len=4, actor_lr=1e-2, critic_lr=1e-2, actor_lora_dim=4,
+        critic_lora_dim=4, only_optimize_lora=True, offload_reference_model=True,
+        offload_reward_model=True,
+    )  # fmt: skip
+    summary = run_chat(opts)
+
+    def state(d: Path) -> dict[str, torch.Tensor]:
+        return torch.load(d / "model.pt", weights_only=True)
+
+    out = root / "out" / "step3_rlhf"
+    return {
+        "summary": summary,
+        "ppo_rows": len((out / "ppo.jsonl").read_text().splitlines()),
+        "sft": state(root / "sft"),
+        "rm": state(root / "rm"),
+        "actor": state(out / "actor"),
+        "critic": state(out / "critic"),
+    }

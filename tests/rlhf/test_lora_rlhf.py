@@ -59,3 +59,24 @@ def test_ppo_with_lora_actor_and_critic_and_offloaded_frozen_models(rlhf_world):
         assert p["fetches"] == [12, 12]
         for m in p["metrics"]:
             assert m is not None and math.isfinite(m.actor_loss) and math.isfinite(m.kl)
+
+
+def test_chat_step3_with_lora_and_offload_saves_merged_plain_models(tmp_path):
+    """``slipstream chat`` with --actor-lora-dim/--critic-lora-dim 4, --only-optimize-lora and
+    both --offload-* flags: PPO runs, and the saved actor and critic are plain models (the
+    adapters merged into the converted weights, no lora_a/lora_b keys) whose converted
+    weights moved while everything else (embeddings, norms, the actor's head) is unchanged;
+    the critic's v_head is trained too."""
+    from tests.distributed.harness import run_world
+    from tests.rlhf._lora_workloads import chat_step3_with_lora
+
+    r = run_world(chat_step3_with_lora, 1, str(tmp_path), timeout_s=240)[0]
+    assert r["ppo_rows"] == 4 and math.isfinite(r["summary"]["step3_kl"])
+    for saved, start in ((r["actor"], r["sft"]), (r["critic"], r["rm"])):
+        assert set(saved) == set(start)  # no adapter keys: a plain model
+        converted = {k for k in start if k.startswith(("layers.", "backbone.layers."))
+                     and k.endswith("proj.weight")}  # fmt: skip
+        assert converted and all(not torch.equal(saved[k], start[k]) for k in converted)
+        kept = set(start) - converted - {"v_head.weight"}
+        assert kept and all(torch.equal(saved[k], start[k]) for k in kept)
+    assert not torch.equal(r["critic"]["v_head.weight"], r["rm"]["v_head.weight"])
