@@ -45,7 +45,7 @@ from slipstream.rlhf.data import (
 from slipstream.rlhf.dpo import DPOConfig, DPOMetrics, DPOTrainer
 from slipstream.rlhf.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer, completion_mask
 from slipstream.rlhf.hybrid import GenerationStats, HybridEngine, enable_hybrid_engine_
-from slipstream.rlhf.lora import LoRAPolicy, apply_lora_policy_
+from slipstream.rlhf.lora import LoRAPolicy, apply_lora_policy_, merge_lora_state_dict
 from slipstream.rlhf.losses import (
     DPOOutput,
     RewardModelOutput,
@@ -94,6 +94,7 @@ __all__ = [
     "kl_shaped_rewards",
     "lm_batch_loss",
     "load_preference_records",
+    "merge_lora_state_dict",
     "offload_frozen_",
     "pair_batch",
     "parse_data_split",
