@@ -63,6 +63,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--align-overflow", action="store_true", help="skip both steps on overflow")
     p.add_argument("--enable-ema", action="store_true", help="keep an EMA of the actor")
     p.add_argument("--drop-long-prompts", action="store_true")
+    for model in ("actor", "critic"):
+        p.add_argument(f"--{model}-lora-dim", type=int, default=0, help=f"{model} LoRA rank")
+        p.add_argument(
+            f"--{model}-lora-module-name", default="layers.", help=f"{model} layers to convert"
+        )
+    p.add_argument("--only-optimize-lora", action="store_true", help="train only the adapters")
+    p.add_argument("--offload-reference-model", action="store_true", help="reference on host")
+    p.add_argument("--offload-reward-model", action="store_true", help="reward model on host")
     p.set_defaults(handler=chat_command)
 
 

@@ -1,5 +1,5 @@
 """RLHF on slipstream: the hybrid engine, DeepSpeed-Chat's three steps (SFT, reward model,
-PPO) and their data, GRPO/RLOO, DPO, and the losses and estimators under them.
+PPO) and their data, LoRA and offload for its models, GRPO/RLOO, DPO, and the losses and estimators under them.
 
 ``slipstream.rlhf.losses`` and ``slipstream.rlhf.advantages`` are pure functions on tensors
 (reward-model loss, KL-shaped rewards, GAE, PPO actor/critic losses, GRPO/RLOO advantages,
@@ -45,6 +45,7 @@ from slipstream.rlhf.data import (
 from slipstream.rlhf.dpo import DPOConfig, DPOMetrics, DPOTrainer
 from slipstream.rlhf.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer, completion_mask
 from slipstream.rlhf.hybrid import GenerationStats, HybridEngine, enable_hybrid_engine_
+from slipstream.rlhf.lora import LoRAPolicy, apply_lora_policy_, merge_lora_state_dict
 from slipstream.rlhf.losses import (
     DPOOutput,
     RewardModelOutput,
@@ -55,6 +56,7 @@ from slipstream.rlhf.losses import (
     reward_model_loss,
     token_logprobs,
 )
+from slipstream.rlhf.offload import HostOffload, offload_frozen_
 
 __all__ = [
     "DPOConfig",
@@ -66,7 +68,9 @@ __all__ = [
     "GRPOMetrics",
     "GRPOTrainer",
     "GenerationStats",
+    "HostOffload",
     "HybridEngine",
+    "LoRAPolicy",
     "PPOConfig",
     "PPOMetrics",
     "PPOTrainer",
@@ -77,6 +81,7 @@ __all__ = [
     "RewardModelOutput",
     "SFTBatch",
     "apply_chat_template",
+    "apply_lora_policy_",
     "causal_lm_loss",
     "check_same_tokenizer",
     "completion_mask",
@@ -89,6 +94,8 @@ __all__ = [
     "kl_shaped_rewards",
     "lm_batch_loss",
     "load_preference_records",
+    "merge_lora_state_dict",
+    "offload_frozen_",
     "pair_batch",
     "parse_data_split",
     "ppo_actor_loss",

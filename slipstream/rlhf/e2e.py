@@ -44,6 +44,8 @@ from slipstream.rlhf.data import (
     split_for_step,
     text_batch,
 )
+from slipstream.rlhf.lora import LoRAPolicy, apply_lora_policy_, merge_lora_state_dict
+from slipstream.rlhf.offload import offload_frozen_
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
 from slipstream.zero import gathered_model
@@ -99,6 +101,19 @@ class ChatOptions:
     align_overflow: bool = False
     enable_ema: bool = False
     drop_long_prompts: bool = False
+    actor_lora_dim: int = 0
+    """Step 3: rank of the actor's LoRA adapters (DeepSpeed-Chat's ``--actor_lora_dim``; 0 off)."""
+    actor_lora_module_name: str = "layers."
+    """Substring of the actor's linear layers to convert (``--actor_lora_module_name``)."""
+    critic_lora_dim: int = 0
+    """Step 3: rank of the critic's adapters (``--critic_lora_dim``; 0 off)."""
+    critic_lora_module_name: str = "layers."
+    only_optimize_lora: bool = False
+    """Train only the adapters (and the critic's ``v_head``) of the models with LoRA."""
+    offload_reference_model: bool = False
+    """Keep the frozen reference in host memory, streamed per forward (``offload_frozen_``)."""
+    offload_reward_model: bool = False
+    """The same for the frozen reward model (DeepSpeed-Chat ties it to ``--offload``)."""
 
     def epochs_of(self, step: int) -> int:
         return self.step_epochs.get(step, self.epochs)
@@ -266,7 +281,7 @@ def _full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 def save_model(module: nn.Module, tok: Any, directory: Path) -> None:
     """Write a causal LM or a :class:`RewardModel` (every rank calls; rank 0 writes): Hugging
     Face ``save_pretrained`` (plus ``v_head.pt`` for a reward model) or the GPT layout."""
-    state = _full_state(module)
+    state = merge_lora_state_dict(module, _full_state(module))  # a plain model on disk
     if comm.get_rank() != 0:
         return
     directory.mkdir(parents=True, exist_ok=True)
@@ -447,6 +462,33 @@ def _step2(run: _Run) -> None:
     engine.destroy()
 
 
+def _lora_policies(o: ChatOptions) -> tuple[LoRAPolicy, LoRAPolicy]:
+    """The actor's and the critic's LoRA (validated before any step runs)."""
+    if o.only_optimize_lora and o.actor_lora_dim == 0 and o.critic_lora_dim == 0:
+        raise ConfigError(
+            "--only-optimize-lora needs --actor-lora-dim and/or --critic-lora-dim > 0 (there "
+            "are no adapters to train otherwise)"
+        )
+    actor = LoRAPolicy(
+        o.actor_lora_dim, o.actor_lora_module_name,
+        only_optimize_lora=o.only_optimize_lora and o.actor_lora_dim > 0,
+    )  # fmt: skip
+    critic_only = o.only_optimize_lora and o.critic_lora_dim > 0
+    critic = LoRAPolicy(
+        o.critic_lora_dim, o.critic_lora_module_name, only_optimize_lora=critic_only,
+        force_optimize=("v_head.weight",) if critic_only else (),
+    )  # fmt: skip
+    return actor, critic
+
+
+def _frozen(model: nn.Module, offload: bool) -> nn.Module:
+    """A reference or reward model for PPO: frozen, host-resident with ``offload``."""
+    model.requires_grad_(False)
+    if offload:
+        offload_frozen_(model)
+    return model
+
+
 def _step3(run: _Run, actor_spec: str, reward_spec: str) -> None:
     o = run.opts
     if _model_kind(actor_spec, "actor") == "preset":
@@ -463,17 +505,21 @@ def _step3(run: _Run, actor_spec: str, reward_spec: str) -> None:
     critic_cfg = _engine_config(
         o.critic_config, o.batch_size, o.critic_lr, o.critic_zero_stage, None
     )
-    actor_model = lm()
+    actor_lora, critic_lora = _lora_policies(o)
+    actor_model, critic_model = lm(), rm()
+    apply_lora_policy_(actor_model, actor_lora)
+    apply_lora_policy_(critic_model, critic_lora)
     ema = copy.deepcopy(actor_model) if o.enable_ema else None
     actor, *_ = initialize(model=actor_model, config=actor_cfg)
-    critic, *_ = initialize(model=rm(), config=critic_cfg)
+    critic, *_ = initialize(model=critic_model, config=critic_cfg)
     ppo = PPOConfig(
         max_new_tokens=o.max_answer_len, kl_coef=o.kl_coef, temperature=o.temperature,
         seed=o.seed, ptx_coef=o.ptx_coef, align_overflow=o.align_overflow,
     )  # fmt: skip
     tok = run.actor_tok
     trainer = PPOTrainer(
-        actor, critic, lm(), rm(), ppo, ema=ema, log_path=None,
+        actor, critic, _frozen(lm(), o.offload_reference_model),
+        _frozen(rm(), o.offload_reward_model), ppo, ema=ema, log_path=None,
         pad_token_id=int(tok.pad_token_id), eos_token_id=int(tok.eos_token_id),
     )  # fmt: skip
     metrics = _MetricsFile(run.out(3) / "ppo.jsonl")
@@ -546,6 +592,7 @@ def run_chat(opts: ChatOptions) -> dict[str, Any]:
         ConfigError: bad input, named.
     """
     steps = _steps(opts.step)
+    _lora_policies(opts)
     raw = _load_records(opts)
     if (2 in steps or 3 in steps) and opts.reward is None:
         raise ConfigError(

@@ -6,7 +6,9 @@ ZeRO-3 layer for every token makes generation bound by all-gathers; the hybrid e
 the parameters once per ``generate`` call, runs slipstream's KV-cache decode loop
 (:mod:`slipstream.inference.generation`) on the gathered model, and releases them when the
 call returns, so the training layout (each rank holding its 1/N shard, optimizer state as it
-was) is back before ``engine.train()``.
+was) is back before ``engine.train()``. LoRA adapters (:mod:`slipstream.models.lora`) are
+fused into the base weights for the call and the unfused weights put back after, as
+DeepSpeed-HE does (``HybridEngine._lora``).
 
 ``pin_parameters: false`` keeps ZeRO-3's per-layer gathering (one layer's memory, every
 token re-gathers every layer); the ranks then step in lock-step (finished ranks make
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ from slipstream.config.hybrid import HybridEngineConfig
 from slipstream.distributed import comm
 from slipstream.inference import generation, hf
 from slipstream.models.gpt import GPT
+from slipstream.models.lora import LoRALinear, fused_lora
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.extensions import register_engine_extension
 from slipstream.zero import gathered_model
@@ -75,6 +78,7 @@ class HybridEngine:
         self.config = config
         self.stats = GenerationStats()
         self._sync_group = _zero3_group(engine.module)
+        self.has_lora = any(isinstance(m, LoRALinear) for m in engine.module.modules())
 
     @property
     def zero3(self) -> bool:
@@ -93,7 +97,7 @@ class HybridEngine:
         kwargs = _input_ids_kwargs(args, kwargs)
         pinned = self.zero3 and self.config.pin_parameters
         started = time.perf_counter()
-        with gathered_model(self.engine.module) if pinned else nullcontext():
+        with gathered_model(self.engine.module) if pinned else nullcontext(), self._lora(pinned):
             decode_started = time.perf_counter()
             out = generation.generate(
                 self.engine.module,
@@ -109,6 +113,23 @@ class HybridEngine:
         # The decode loop runs under inference_mode; its output could not enter the training
         # forward that follows (autograd refuses inference tensors), so hand out a copy.
         return out.clone()
+
+    def _lora(self, pinned: bool) -> AbstractContextManager[Any]:
+        """Fuse the LoRA adapters into the base weights for the decode loop (one GEMM per
+        layer, as DeepSpeed-HE) and restore the unfused weights after.
+
+        The fuse needs whole weights: under ZeRO-3 it runs only when pinned, on the gathered
+        copies, and the kept unfused copy is put back before the gather is released (so
+        neither a persistent unit nor ZeRO++'s hpZ secondary copy, both of which keep
+        gathered values, ever sees a fused weight). Restoring the kept copy, instead of
+        subtracting ``B A`` again, leaves the weights bit-for-bit as they were: a round trip
+        never drifts, at the price of one copy of the converted layers' weights while
+        generating. Unpinned ZeRO-3 gathers one layer at a time, so the adapters run unfused
+        (the same function, two small GEMMs more per converted layer).
+        """
+        if not self.has_lora or (self.zero3 and not pinned):
+            return nullcontext()
+        return fused_lora(self.engine.module, keep_base=True)
 
     def _all_done(self) -> Callable[[bool], bool] | None:
         """Unpinned ZeRO-3: every forward is a collective, so the ranks agree each step."""

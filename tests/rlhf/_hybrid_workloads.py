@@ -178,6 +178,7 @@ def all_checks() -> dict[str, Any]:
     import traceback
 
     from tests.rlhf import _chat_workloads as chat
+    from tests.rlhf import _lora_workloads as lora
 
     checks = {
         "refusals": refusals,
@@ -187,6 +188,7 @@ def all_checks() -> dict[str, Any]:
         "gen3": lambda: generation_checks(3),
         "trip3": lambda: round_trip_checks(3),
         "grpo": grpo_demo,
+        **lora.CHECKS,
     }
     out: dict[str, Any] = {"seconds": {}}
     for name, check in checks.items():
