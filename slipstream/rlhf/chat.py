@@ -340,9 +340,11 @@ class PPOTrainer:
     ) -> tuple[Experience | None, int]:
         """Generate answers to the (left-padded) prompts and score them with no gradient.
 
-        Answers of <= 1 token are dropped. When every answer of the batch is dropped the
-        previous batch's experience is reused (marked ``reused``); with none yet, returns
-        None. Returns ``(experience, dropped answers)``.
+        Answers of <= 1 token are dropped. When every answer of some rank's batch is dropped,
+        every rank reuses its previous batch's experience (marked ``reused``; DeepSpeed-Chat
+        reuses the previous batch too), or returns None with none yet: the decision is taken
+        together, so the ranks keep making the same model calls (collectives under ZeRO-3).
+        Returns ``(experience, dropped answers)``.
         """
         cfg, p = self.config, prompt_ids.shape[1]
         started = time.perf_counter()
@@ -363,7 +365,7 @@ class PPOTrainer:
         answer = completion_mask(seq[:, p:], self.eos_token_ids)
         keep = answer.sum(1) > 1
         dropped = int((~keep).sum())
-        if not bool(keep.any()):
+        if not _all_ranks(bool(keep.any()), prompt_ids.device):
             if self._previous is None:
                 return None, dropped
             self._previous.reused = True
@@ -488,7 +490,7 @@ class PPOTrainer:
         (all its first answers empty)."""
         exp, dropped = self.generate_experience(prompt_ids, prompt_mask)
         t1 = time.perf_counter()
-        if not _all_ranks(exp is not None):
+        if not _all_ranks(exp is not None, prompt_ids.device):
             log_rank0(
                 "ppo: every answer of a rank's first batch had <= 1 token; step skipped on "
                 "all ranks (nothing to reuse yet)"
@@ -537,10 +539,11 @@ class PPOTrainer:
                 f.write(json.dumps(asdict(m)) + "\n")
 
 
-def _all_ranks(flag: bool) -> bool:
-    """True when ``flag`` holds on every rank (one all-reduce; just ``flag`` without a world)."""
+def _all_ranks(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` holds on every rank (one all-reduce on ``device``, the backend's;
+    just ``flag`` without a world)."""
     if not comm.is_initialized() or comm.get_world_size() == 1:
         return flag
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
     comm.all_reduce(t, op=comm.ReduceOp.MIN, label="ppo_experience")
     return bool(t.item() == 1.0)

@@ -319,3 +319,38 @@ def ppo_extras_checks() -> dict[str, Any]:
     out["align_actor_inf"] = overflow_round(with_ptx, with_ptx.actor.module.lm_head)
     out["align_critic_inf"] = overflow_round(with_ptx, with_ptx.critic.module.v_head)
     return out
+
+
+def empty_answers_checks() -> dict[str, Any]:
+    """PPO at ZeRO-3 on 2 ranks where every answer of rank 1 is empty (every token ends an
+    answer there): the ranks decide together, so neither runs the experience forwards (ZeRO-3
+    collectives) alone. No experience yet: both skip the step; later: both reuse their
+    previous batch."""
+    import slipstream
+    from slipstream.distributed import comm
+    from slipstream.rlhf import PPOConfig, PPOTrainer, RewardModel, prompt_batch
+
+    rank = comm.get_rank()
+    actor, *_ = slipstream.initialize(model=tiny_llama(), config=config(3, 1e-3, True, 4))
+    critic, *_ = slipstream.initialize(
+        model=RewardModel(tiny_llama(1)), config=config(3, 1e-3, False, 4)
+    )
+    ppo = PPOTrainer(actor, critic, tiny_llama(), RewardModel(tiny_llama(1)),
+                     PPOConfig(max_new_tokens=6))  # fmt: skip
+    normal = list(ppo.eos_token_ids)
+    prompts = prompt_batch(CharTokenizer(), records(4, seed=90 + rank), 8)
+
+    def step(empty_on_rank1: bool) -> Any:
+        ppo.eos_token_ids = list(range(VOCAB)) if empty_on_rank1 and rank == 1 else normal
+        return ppo.step(prompts.input_ids, prompts.attention_mask)
+
+    first = step(True)
+    second = step(False)
+    third = step(True)
+    assert ppo._previous is not None
+    return {
+        "first": first,
+        "second_trained": second is not None,
+        "third_trained": third is not None,
+        "reused": ppo._previous.reused,
+    }

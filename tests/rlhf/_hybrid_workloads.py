@@ -185,6 +185,7 @@ def all_checks() -> dict[str, Any]:
         "dpo": chat.dpo_checks,
         "chat": chat.chat_checks,
         "ppo_extras": chat.ppo_extras_checks,
+        "empty_answers": chat.empty_answers_checks,
         "gen3": lambda: generation_checks(3),
         "trip3": lambda: round_trip_checks(3),
         "grpo": grpo_demo,

@@ -181,3 +181,12 @@ def test_datasets_directories_load_or_name_the_missing_package(tmp_path):
     assert (rec.prompt, rec.chosen, rec.rejected) == ("p", "c", "r")  # no space added
     with pytest.raises(ConfigError, match=r"splits \['train'\], not 'eval'"):
         load_preference_records(data, "eval")
+
+
+def test_a_rank_with_only_empty_answers_does_not_desynchronize_zero3(rlhf_world):
+    """Rank 1's answers are all empty: no experience yet -> both ranks skip the step; later
+    -> both reuse their previous experience and train (no hang, no divergence error)."""
+    for r in result(rlhf_world, "empty_answers"):
+        assert r["first"] is None
+        assert r["second_trained"] and r["third_trained"]
+        assert r["reused"]
