@@ -275,3 +275,27 @@ def test_cuda_graph_generation_matches_eager(
     monkeypatch.setattr(graphs, "make", lambda m, n: graphs.GraphedDecoder(m, n, capture=False))
     want = graphed.generate(ids, **kwargs)
     assert torch.equal(got, want)
+
+
+def test_rlhf_frozen_model_offload_streams_from_pinned_host_memory() -> None:
+    """offload_frozen_ (--offload_reference_model) on a GPU: page-locked host copies between
+    forwards, the same logits as the model resident on the GPU."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from slipstream.rlhf import offload_frozen_
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).requires_grad_(False).eval()
+    resident = copy.deepcopy(model).to(CUDA)
+    state = offload_frozen_(model, device=CUDA)
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    ids = torch.randint(0, 64, (2, 9), device=CUDA)
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, resident(input_ids=ids).logits
+    assert got.is_cuda and torch.equal(got, want)
+    assert state.fetched_bytes == 0 and all(p.device.type == "cpu" for p in model.parameters())
