@@ -6,7 +6,8 @@ with questions a program can check, most of which need several images:
   conversations, as the released recipe does with LLaVA.
 * "larger": 2-3 images, "Which of image A and image B shows the larger digit ?" ->
   "image B" (chance 1/2).
-* "count": 2-3 images, "How many of the images show a D ?" -> "two" (chance 1/(n+1)).
+* "count": 2-3 images, "How many of the images show a D ?" -> "two" (chance 1/(n+1); the
+  counts are balanced, so the majority answer is no better).
 
 Images are referenced as ``"digits:<index>"``; :class:`DigitImages` loads them. Training and
 held-out conversations use disjoint images. :class:`WordTokenizer` is a word-level tokenizer
@@ -42,6 +43,7 @@ __all__ = [
     "chance",
     "digit_dataset",
     "encode_as_text",
+    "majority",
 ]
 
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -103,36 +105,70 @@ def _single(idx: int, digits: DigitImages) -> Conversation:
     return Conversation(f"digit-{idx}", (turn,), {"kinds": ["digit"], "options": [10]})
 
 
-def _multi(pool: list[int], digits: DigitImages, rng: random.Random, n: int) -> Conversation:
-    while True:  # two different digits to compare
-        idx = rng.sample(pool, rng.randint(2, 3))
-        labels = [digits.label(f"digits:{i}") for i in idx]
-        a, b = sorted(rng.sample(range(len(idx)), 2))
-        if labels[a] != labels[b]:
-            break
-    larger = a if labels[a] > labels[b] else b
-    target = rng.choice(labels) if rng.random() < 0.6 else rng.randrange(10)
+def _distinct(by_label: list[list[int]], labels: list[int], rng: random.Random) -> list[int]:
+    """Distinct image indices, one per wanted label, in order."""
+    chosen: list[int] = []
+    for label in labels:
+        candidates = [i for i in by_label[label] if i not in chosen]
+        chosen.append(rng.choice(candidates))
+    return chosen
+
+
+def _larger(by_label: list[list[int]], rng: random.Random, n: int) -> Conversation:
+    """2-3 images; compare two of them, which show different digits (answers balanced)."""
+    k = rng.randint(2, 3)
+    labels = [rng.randrange(10) for _ in range(k)]
+    a, b = sorted(rng.sample(range(k), 2))
+    labels[a], labels[b] = rng.sample(range(10), 2)
+    idx = _distinct(by_label, labels, rng)
     refs = tuple(f"digits:{i}" for i in idx)
-    turns = (
-        Turn(f"Which of image {a + 1} and image {b + 1} shows the larger digit ?",
-             f"image {larger + 1}", refs),
-        Turn(f"How many of the images show a {target} ?", WORDS[labels.count(target)]),
-    )  # fmt: skip
-    return Conversation(f"multi-{n}", turns, {"kinds": ["larger", "count"],
-                                              "options": [2, len(idx) + 1]})  # fmt: skip
+    larger = a if labels[a] > labels[b] else b
+    turn = Turn(f"Which of image {a + 1} and image {b + 1} shows the larger digit ?",
+                f"image {larger + 1}", refs)  # fmt: skip
+    return Conversation(f"larger-{n}", (turn,), {"kinds": ["larger"], "options": [2]})
+
+
+def _count(by_label: list[list[int]], rng: random.Random, n: int) -> Conversation:
+    """2-3 images; how many show digit d. The count is uniform over 0..k, so always giving
+    the most frequent answer is no better than a uniform guess."""
+    k = rng.randint(2, 3)
+    target, hits = rng.randrange(10), rng.randint(0, k)
+    others = [d for d in range(10) if d != target]
+    labels = [target] * hits + [rng.choice(others) for _ in range(k - hits)]
+    rng.shuffle(labels)
+    idx = _distinct(by_label, labels, rng)
+    refs = tuple(f"digits:{i}" for i in idx)
+    turn = Turn(f"How many of the images show a {target} ?", WORDS[hits], refs)
+    return Conversation(f"count-{n}", (turn,), {"kinds": ["count"], "options": [k + 1]})
 
 
 def digit_dataset(
     digits: DigitImages, split: str, num: int, seed: int = 0, max_group: int = 3
 ) -> list[Conversation]:
     """``num`` conversations from the "train" (first 70% of the images) or "heldout" split:
-    a 1:2 blend of concatenated single-image samples and native multi-image ones."""
+    a 1:1:1 blend of concatenated single-image samples (1..``max_group`` per conversation),
+    "larger" and "count" conversations over 2-3 images."""
     cut = int(0.7 * len(digits.labels))
     pool = list(range(cut)) if split == "train" else list(range(cut, len(digits.labels)))
+    by_label: list[list[int]] = [[] for _ in range(10)]
+    for i in pool:
+        by_label[digits.label(f"digits:{i}")].append(i)
     rng = random.Random(seed)
     singles = concatenate([_single(i, digits) for i in pool], max_group, rng)
-    multis = [_multi(pool, digits, rng, n) for n in range(num)]
-    return blend({"single": singles, "multi": multis}, {"single": 1.0, "multi": 2.0}, num, rng)
+    larger = [_larger(by_label, rng, n) for n in range(num)]
+    count = [_count(by_label, rng, n) for n in range(num)]
+    sources = {"single": singles, "larger": larger, "count": count}
+    return blend(sources, dict.fromkeys(sources, 1.0), num, rng)
+
+
+def majority(convs: Sequence[Conversation]) -> dict[str, float]:
+    """Accuracy of always giving each kind's most frequent answer (a baseline that, unlike
+    :func:`chance`, exploits unbalanced answers)."""
+    answers: dict[str, list[str]] = {}
+    for conv in convs:
+        for kind, turn in zip(conv.meta["kinds"], conv.turns):
+            answers.setdefault(kind, []).append(turn.answer)
+    return {k: max(v.count(a) for a in set(v)) / len(v) for k, v in answers.items()}
 
 
 def chance(convs: Sequence[Conversation]) -> dict[str, float]:

@@ -18,7 +18,14 @@ from slipstream.multimodal.data import (
     load_jsonl,
     render,
 )
-from slipstream.multimodal.digits import DigitImages, WordTokenizer, answer_correct, digit_dataset
+from slipstream.multimodal.digits import (
+    DigitImages,
+    WordTokenizer,
+    answer_correct,
+    chance,
+    digit_dataset,
+    majority,
+)
 
 TOK = WordTokenizer()
 
@@ -122,6 +129,10 @@ def test_digit_questions_are_answered_correctly_by_the_program() -> None:
                 assert turn.answer == WORDS[labels.count(int(q[-2]))]
     assert {k for c in convs for k in c.meta["kinds"]} == {"digit", "larger", "count"}
     assert max(len(c.images) for c in convs) > 1
+    many = digit_dataset(digits, "train", 600, seed=2)
+    # balanced answers: the majority answer is about as good as a uniform guess
+    assert majority(many)["count"] < chance(many)["count"] + 0.06
+    assert majority(many)["larger"] < 0.6
 
 
 def test_answer_correct_scores_whole_answers() -> None:
