@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -211,8 +213,10 @@ def tp_generation_checks() -> dict[str, Any]:
         before = shard_state(engine)
         engine.eval()
         tokens_before = tp_token_broadcasts()
-        got = engine.module.generate(ids, attention_mask=mask, max_new_tokens=new)
+        with gathered_layers_spy(engine) as gathered:
+            got = engine.module.generate(ids, attention_mask=mask, max_new_tokens=new)
         out[name] = {"want": want, "got": got, "steps": tp_token_broadcasts() - tokens_before}
+        out[name]["gathered"] = gathered
         if name == "llama3":
             eos = early_eos(reference)
             out["eos"] = {
@@ -226,6 +230,35 @@ def tp_generation_checks() -> dict[str, Any]:
         out[name].update(before=before, after=shard_state(engine))
         out[name]["stats"] = engine.hybrid_engine.stats
     return out
+
+
+@contextlib.contextmanager
+def gathered_layers_spy(engine: Any) -> Iterator[list[list[int]]]:
+    """Record, at each gather the hybrid engine's TP build makes, which transformer layers
+    of the training module are whole at that moment (ZeRO-3: a released parameter holds 0
+    elements here)."""
+    from slipstream.rlhf import hybrid_tp
+    from slipstream.zero.sharded_store import unit_owner
+
+    real = hybrid_tp.GatheredParameters
+    seen: list[list[int]] = []
+
+    @contextlib.contextmanager
+    def spy(params: list[Any]) -> Iterator[None]:
+        with real(params):
+            whole = {
+                int(name.split("layers.")[1].split(".")[0])
+                for name, p in engine.module.named_parameters()
+                if "layers." in name and unit_owner(p) is not None and p.numel() > 0
+            }
+            seen.append(sorted(whole))
+            yield
+
+    hybrid_tp.GatheredParameters = spy  # type: ignore[assignment,misc]
+    try:
+        yield seen
+    finally:
+        hybrid_tp.GatheredParameters = real  # type: ignore[misc]
 
 
 def tp_token_broadcasts() -> int:

@@ -69,7 +69,12 @@ def test_tensor_parallel_generation_equals_the_unsharded_model_token_for_token(r
             assert torch.equal(g[case]["got"], g[case]["want"]), case
             assert g[case]["steps"] == 10, case
             assert g[case]["after"] == g[case]["before"], case  # training shards untouched
-            assert g[case]["stats"].calls == 2 if case == "llama3" else 1
+            assert g[case]["stats"].calls == (2 if case == "llama3" else 1), case
+        # Layers whole at each gather of the build: the rest of the model first, then
+        # tp_gather_partition_size layers at a time (1 for the LLaMA, 2 for the GPT).
+        assert g["llama3"]["gathered"] == [[], [0], [1], [2]]
+        assert g["gpt3"]["gathered"] == [[], [0, 1], [2]]
+        assert g["llama1"]["gathered"] == []  # ZeRO-1: whole parameters, nothing gathered
         assert torch.equal(g["eos"]["got"], g["eos"]["want"])
     rank0_eos = result(rlhf_world, "tp_gen")[0]["eos"]["got"]
     assert rank0_eos.shape[1] < 5 + 6  # stopped early although the group went on
