@@ -142,6 +142,7 @@ class HybridEngine:
         if not self.has_lora or (self.zero3 and not pinned):
             return nullcontext()
         return fused_lora(self.engine.module, keep_base=True)
+
     def _generate_tp(self, tp: TPGenerator, kwargs: dict[str, Any]) -> torch.Tensor:
         """``inference_tp_size`` > 1: the TP group builds its split copy (layer groups
         gathered once) and decodes the group's prompts together (:mod:`.hybrid_tp`)."""

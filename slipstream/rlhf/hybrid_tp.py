@@ -11,7 +11,8 @@ per token.
 slipstream builds the TP copy (the *replica*) from the model's own class on the meta device,
 splits it with the training side's tensor-parallel plan (``parallelize_tp_(skeleton=True)``:
 the reference GPT's plan, or the automatic plan of a Hugging Face LLaMA-family model), gives
-each parameter this rank's slice while its ZeRO-3 unit is gathered, and decodes it with the
+each parameter this rank's slice while its ZeRO-3 unit is gathered (a LoRA layer's base
+weight with its adapters fused in, ``W + scaling B A``), and decodes it with the
 inference engine's TP rank sync (:class:`~slipstream.inference.parallel.TPRankSync`: one
 request and one token choice per group). The replica lives for one ``generate`` call; the
 training module, its shards and its optimizer state are never written.
@@ -35,6 +36,7 @@ from slipstream.inference import generation
 from slipstream.inference.parallel import TPRankSync
 from slipstream.inference.request import GenerationRequest, build_request
 from slipstream.models.gpt import GPT
+from slipstream.models.lora import LoRALinear
 from slipstream.parallel.tensor import parallelize_tp_, tp_slice
 from slipstream.zero import GatheredParameters
 
@@ -193,11 +195,16 @@ class TPGenerator:
         source = dict(self.module.named_parameters(remove_duplicate=False))
         target = dict(replica.named_parameters(remove_duplicate=False))
         for names in groups:
-            params = list({id(source[n]): source[n] for n in names}.values())
+            lora = {n: o for n in names if (o := _lora_owner(self.module, n)) is not None}
+            params = [source[n] for n in names]
+            params += [q for o in lora.values() for q in (o.lora_a, o.lora_b)]
+            params = list({id(q): q for q in params}.values())
             with GatheredParameters(params) if self.zero3 else nullcontext(), torch.no_grad():
                 for name in names:
                     p = target[name]
                     full = source[name].detach()
+                    if name in lora:  # DeepSpeed-HE fuses LoRA for generation: W + s B A
+                        full = (full.float() + lora[name].delta()).to(full.dtype)
                     shard = shards.get(id(p))
                     p.copy_(full if shard is None else tp_slice(full, shard))
         return replica.eval()
@@ -264,7 +271,9 @@ def _check_rebuildable(module: nn.Module) -> None:
     with torch.device("meta"):
         rebuilt = _same_class(module)
     ours = {n for n, _ in rebuilt.named_parameters(remove_duplicate=False)}
-    theirs = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    theirs = {n for n, _ in module.named_parameters(remove_duplicate=False)} - set(
+        _adapter_names(module)
+    )
     extra, missing = sorted(theirs - ours), sorted(ours - theirs)
     if extra or missing:
         odd = f"has {extra[0]!r}" if extra else f"lacks {missing[0]!r}"
@@ -272,8 +281,27 @@ def _check_rebuildable(module: nn.Module) -> None:
             f"hybrid_engine.inference_tp_size > 1 rebuilds the {type(module).__name__} from "
             f"its class and config for generation, but the training module {odd} "
             f"({len(extra)} parameters more, {len(missing)} fewer than the rebuilt one: "
-            "LoRA adapters or replaced layers?); use inference_tp_size 1 for this model"
+            "replaced or added layers?); use inference_tp_size 1 for this model"
         )
+
+
+def _adapter_names(module: nn.Module) -> list[str]:
+    """Names of the LoRA adapter matrices: fused into their base weight in the replica."""
+    return [
+        f"{name}.{leaf}"
+        for name, m in module.named_modules()
+        if isinstance(m, LoRALinear)
+        for leaf in ("lora_a", "lora_b")
+    ]
+
+
+def _lora_owner(module: nn.Module, name: str) -> LoRALinear | None:
+    """The unfused LoRA layer whose base weight parameter ``name`` is, else None."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf == "weight" and isinstance(owner, LoRALinear) and not owner.fused:
+        return owner
+    return None
 
 
 def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList]:

@@ -190,11 +190,13 @@ def tp_prompts(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def tp_generation_checks() -> dict[str, Any]:
     """inference_tp_size 2 at world 2: the LLaMA (ZeRO-3, one layer gathered at a time, and
-    ZeRO-1) and the reference GPT (ZeRO-3, two layers at a time) generate each rank's own
-    prompts as the unsharded model does; the training layout is back afterwards."""
+    ZeRO-1), the reference GPT (ZeRO-3, two layers at a time) and the LLaMA with LoRA
+    adapters (ZeRO-3; fused into the TP copy) generate each rank's own prompts as the
+    unsharded model does; the training layout is back afterwards."""
     import slipstream
     from slipstream.distributed import comm
     from slipstream.inference import generate
+    from tests.rlhf._lora_workloads import lora_llama
 
     rank = comm.get_rank()
     ids, mask = tp_prompts(rank)
@@ -204,6 +206,7 @@ def tp_generation_checks() -> dict[str, Any]:
         "llama3": (tiny_llama, tp_config(3, layers_at_a_time=1)),
         "llama1": (tiny_llama, tp_config(1, layers_at_a_time=8)),
         "gpt3": (tiny_gpt, tp_config(3, layers_at_a_time=2)),
+        "lora3": (lora_llama, tp_config(3, layers_at_a_time=2)),
     }
     for name, (build, cfg) in cases.items():
         model = build()

@@ -61,10 +61,11 @@ def test_tensor_parallel_generation_equals_the_unsharded_model_token_for_token(r
     6 tokens, rank 1 wants 10, so the group decodes 10 steps, each agreed by one broadcast).
     Each rank gets exactly its own rows as the unsharded model generates them: the LLaMA at
     ZeRO-3 (one layer gathered at a time) and ZeRO-1, the reference GPT at ZeRO-3 (two
-    layers at a time); with EOS tokens that end rank 0's rows early, rank 0's answer stops
+    layers at a time), the LLaMA with LoRA adapters (nonzero B) at ZeRO-3, fused into the
+    TP copy; with EOS tokens that end rank 0's rows early, rank 0's answer stops
     there while the group decodes on for rank 1."""
     for rank, g in enumerate(result(rlhf_world, "tp_gen")):
-        for case in ("llama3", "llama1", "gpt3"):
+        for case in ("llama3", "llama1", "gpt3", "lora3"):
             assert g[case]["got"].shape[0] == 2 + rank, case
             assert torch.equal(g[case]["got"], g[case]["want"]), case
             assert g[case]["steps"] == 10, case
