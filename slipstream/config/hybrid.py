@@ -6,9 +6,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from slipstream.config._base import StrictModel
-from slipstream.config._errors import ConfigError
 
-__all__ = ["HybridEngineConfig", "check_hybrid_engine_config"]
+__all__ = ["HybridEngineConfig"]
 
 
 class HybridEngineConfig(StrictModel):
@@ -21,26 +20,20 @@ class HybridEngineConfig(StrictModel):
     """Most tokens (prompt plus generated) one ``generate`` call may reach; a longer request
     is refused before any work."""
     inference_tp_size: int = Field(1, ge=1)
-    """Tensor-parallel size of generation. Only 1 is implemented (every rank generates its
-    own prompts with the whole gathered model)."""
+    """Tensor-parallel size of generation. 1: every rank generates its own prompts with the
+    whole gathered model. T > 1: groups of T consecutive ranks build a TP-split copy (each
+    rank 1/T of every layer) and generate the group's prompts together; T must divide the
+    world size and the model's attention heads."""
     release_inference_cache: bool = False
     """Free the KV cache after each ``generate``. slipstream's cache lives only inside one
     call, so it is always released; both values behave the same."""
     pin_parameters: bool = True
     """True: gather every ZeRO-3 parameter once per ``generate`` and keep it for all tokens.
     False: gather each layer when it runs and free it after (per layer, per token), which
-    needs one layer's memory instead of the model's, at many more all-gathers."""
+    needs one layer's memory instead of the model's, at many more all-gathers. No effect at
+    ``inference_tp_size`` > 1, where each rank keeps 1/T of the weights for the call (built
+    ``tp_gather_partition_size`` layers at a time) and nothing is gathered per token."""
     tp_gather_partition_size: int = Field(8, ge=1)
-    """Layers gathered at a time when re-sharding to ``inference_tp_size`` > 1; has no effect
-    at ``inference_tp_size`` 1."""
-
-
-def check_hybrid_engine_config(block: HybridEngineConfig) -> None:
-    """Refuse the hybrid-engine options slipstream does not implement (never ignored)."""
-    if block.enabled and block.inference_tp_size > 1:
-        raise ConfigError(
-            f"config key 'hybrid_engine.inference_tp_size' = {block.inference_tp_size} is not "
-            "supported: slipstream's hybrid engine generates with the whole model gathered on "
-            "every rank (no tensor-parallel re-sharding for generation yet); set "
-            "inference_tp_size to 1"
-        )
+    """Transformer layers gathered at a time while building the TP copy at
+    ``inference_tp_size`` > 1 (bounds the extra memory); no effect at ``inference_tp_size``
+    1."""

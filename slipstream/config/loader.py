@@ -24,7 +24,6 @@ from slipstream._logging import log_rank0
 from slipstream.config._base import validate_model
 from slipstream.config._errors import ConfigError, type_error_message
 from slipstream.config.auto import AUTO, BATCH_KEYS, AutoContext, is_auto, resolve_auto
-from slipstream.config.hybrid import check_hybrid_engine_config
 from slipstream.config.parallel import check_parallel_config
 from slipstream.config.schema import (
     GRADIENT_CLIPPING_DEFAULT,
@@ -442,7 +441,6 @@ def _note_default_clipping() -> None:
 def _check_consistency(cfg: SlipstreamConfig) -> None:
     """Cross-field rules, and options slipstream accepts but does not honour yet (refused)."""
     check_parallel_config(cfg.pipeline)
-    check_hybrid_engine_config(cfg.hybrid_engine)
     if cfg.tensor_parallel.sequence_parallel and cfg.activation_checkpointing.partition_activations:
         raise ConfigError(
             "activation_checkpointing.partition_activations with "

@@ -36,6 +36,7 @@ from slipstream.distributed import comm
 from slipstream.inference import generation, hf
 from slipstream.models.gpt import GPT
 from slipstream.models.lora import LoRALinear, fused_lora
+from slipstream.rlhf.hybrid_tp import TPGenerator
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.extensions import register_engine_extension
 from slipstream.zero import gathered_model
@@ -79,6 +80,15 @@ class HybridEngine:
         self.stats = GenerationStats()
         self._sync_group = _zero3_group(engine.module)
         self.has_lora = any(isinstance(m, LoRALinear) for m in engine.module.modules())
+        self._tp: TPGenerator | None = None
+        if config.inference_tp_size > 1:
+            self._tp = TPGenerator(
+                engine.module,
+                config.inference_tp_size,
+                config.tp_gather_partition_size,
+                zero3=self.zero3,
+                device=engine.device,
+            )
 
     @property
     def zero3(self) -> bool:
@@ -95,6 +105,8 @@ class HybridEngine:
         refused before any work.
         """
         kwargs = _input_ids_kwargs(args, kwargs)
+        if self._tp is not None:
+            return self._generate_tp(self._tp, kwargs)
         pinned = self.zero3 and self.config.pin_parameters
         started = time.perf_counter()
         with gathered_model(self.engine.module) if pinned else nullcontext(), self._lora(pinned):
@@ -130,6 +142,18 @@ class HybridEngine:
         if not self.has_lora or (self.zero3 and not pinned):
             return nullcontext()
         return fused_lora(self.engine.module, keep_base=True)
+
+    def _generate_tp(self, tp: TPGenerator, kwargs: dict[str, Any]) -> torch.Tensor:
+        """``inference_tp_size`` > 1: the TP group builds its split copy (layer groups
+        gathered once) and decodes the group's prompts together (:mod:`.hybrid_tp`)."""
+        started, gathered = time.perf_counter(), tp.gather_seconds
+        out = tp.generate(kwargs, self.config.max_out_tokens)
+        building = tp.gather_seconds - gathered
+        self.stats.calls += 1
+        self.stats.gather_seconds += building
+        self.stats.generate_seconds += time.perf_counter() - started - building
+        self.stats.new_tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
+        return out.clone()
 
     def _all_done(self) -> Callable[[bool], bool] | None:
         """Unpinned ZeRO-3: every forward is a collective, so the ranks agree each step."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -156,6 +158,208 @@ def refusals() -> dict[str, str]:
     return errors
 
 
+def tiny_gpt(seed: int = 0) -> nn.Module:
+    from slipstream.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=VOCAB, hidden_size=64, num_layers=3, num_heads=4,
+                         num_kv_heads=2, max_seq_len=64))  # fmt: skip
+
+
+def tp_config(stage: int, tp: int = 2, layers_at_a_time: int = 1) -> dict[str, Any]:
+    cfg = config(stage)
+    cfg["hybrid_engine"] = {
+        **cfg["hybrid_engine"], "inference_tp_size": tp,
+        "tp_gather_partition_size": layers_at_a_time,
+    }  # fmt: skip
+    return cfg
+
+
+def tp_prompts(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of a different width, count and content on each rank."""
+    g = torch.Generator().manual_seed(200 + rank)
+    rows, width = 2 + rank, 5 + rank
+    ids = torch.full((rows, width), PAD)
+    mask = torch.zeros_like(ids)
+    for i in range(rows):
+        n = width - i
+        ids[i, -n:] = torch.randint(EOS + 1, VOCAB, (n,), generator=g)
+        mask[i, -n:] = 1
+    return ids, mask
+
+
+def tp_generation_checks() -> dict[str, Any]:
+    """inference_tp_size 2 at world 2: the LLaMA (ZeRO-3, one layer gathered at a time, and
+    ZeRO-1), the reference GPT (ZeRO-3, two layers at a time) and the LLaMA with LoRA
+    adapters (ZeRO-3; fused into the TP copy) generate each rank's own prompts as the
+    unsharded model does; the training layout is back afterwards."""
+    import slipstream
+    from slipstream.distributed import comm
+    from slipstream.inference import generate
+    from tests.rlhf._lora_workloads import lora_llama
+
+    rank = comm.get_rank()
+    ids, mask = tp_prompts(rank)
+    new = 6 + 4 * rank  # different lengths per rank: the group decodes the longest
+    out: dict[str, Any] = {}
+    cases = {
+        "llama3": (tiny_llama, tp_config(3, layers_at_a_time=1)),
+        "llama1": (tiny_llama, tp_config(1, layers_at_a_time=8)),
+        "gpt3": (tiny_gpt, tp_config(3, layers_at_a_time=2)),
+        "lora3": (lora_llama, tp_config(3, layers_at_a_time=2)),
+    }
+    for name, (build, cfg) in cases.items():
+        model = build()
+        reference = copy.deepcopy(model).eval()
+        want = generate(reference, input_ids=ids, attention_mask=mask, max_new_tokens=new)
+        engine, *_ = slipstream.initialize(model=model, config=cfg)
+        before = shard_state(engine)
+        engine.eval()
+        tokens_before = tp_token_broadcasts()
+        with gathered_layers_spy(engine) as gathered:
+            got = engine.module.generate(ids, attention_mask=mask, max_new_tokens=new)
+        out[name] = {"want": want, "got": got, "steps": tp_token_broadcasts() - tokens_before}
+        out[name]["gathered"] = gathered
+        if name == "llama3":
+            eos = early_eos(reference)
+            out["eos"] = {
+                "token": eos,
+                "want": generate(reference, input_ids=ids, attention_mask=mask,
+                                 max_new_tokens=new, eos_token_id=eos),
+                "got": engine.generate(ids, attention_mask=mask, max_new_tokens=new,
+                                       eos_token_id=eos),
+            }  # fmt: skip
+        engine.train()
+        out[name].update(before=before, after=shard_state(engine))
+        out[name]["stats"] = engine.hybrid_engine.stats
+    return out
+
+
+@contextlib.contextmanager
+def gathered_layers_spy(engine: Any) -> Iterator[list[list[int]]]:
+    """Record, at each gather the hybrid engine's TP build makes, which transformer layers
+    of the training module are whole at that moment (ZeRO-3: a released parameter holds 0
+    elements here)."""
+    from slipstream.rlhf import hybrid_tp
+    from slipstream.zero.sharded_store import unit_owner
+
+    real = hybrid_tp.GatheredParameters
+    seen: list[list[int]] = []
+
+    @contextlib.contextmanager
+    def spy(params: list[Any]) -> Iterator[None]:
+        with real(params):
+            whole = {
+                int(name.split("layers.")[1].split(".")[0])
+                for name, p in engine.module.named_parameters()
+                if "layers." in name and unit_owner(p) is not None and p.numel() > 0
+            }
+            seen.append(sorted(whole))
+            yield
+
+    hybrid_tp.GatheredParameters = spy  # type: ignore[assignment,misc]
+    try:
+        yield seen
+    finally:
+        hybrid_tp.GatheredParameters = real  # type: ignore[misc]
+
+
+def tp_token_broadcasts() -> int:
+    """Broadcasts so far: a tensor-parallel group's decode agrees on each step's tokens with
+    one (TPRankSync); nothing else in a generate call broadcasts."""
+    from slipstream.distributed import comm
+
+    return sum(e.calls for (_, op), e in comm.comm_counters.stats.items() if op == "broadcast")
+
+
+def early_eos(reference: nn.Module) -> list[int]:
+    """EOS tokens that end every row of rank 0 early while a row of rank 1 goes on
+    (computed alike on both ranks, from greedy runs without EOS: an EOS only cuts a greedy
+    row), so the group decodes on after rank 0's rows have ended."""
+    from slipstream.inference import generate
+
+    answers = []
+    for rank in (0, 1):
+        ids, mask = tp_prompts(rank)
+        free = generate(reference, input_ids=ids, attention_mask=mask, max_new_tokens=6 + 4 * rank)
+        answers.append(free[:, ids.shape[1] :])
+
+    def new_tokens(rank: int, eos: list[int]) -> int:
+        hits = torch.isin(answers[rank], torch.tensor(eos))
+        if not bool(hits.any(1).all()):
+            return answers[rank].shape[1]
+        return int((hits.int().argmax(1) + 1).max())
+
+    for step in range(answers[0].shape[1] - 1):
+        eos = sorted(set(answers[0][:, step].tolist()))
+        ends = new_tokens(0, eos)
+        if ends < answers[0].shape[1] and new_tokens(1, eos) > ends:
+            return eos
+    raise AssertionError("no tokens end rank 0's rows early; change the prompts' seed")
+
+
+def tp_round_trip_checks() -> dict[str, Any]:
+    """ZeRO-3 with inference_tp_size 2: a training step after 3 generate/train cycles
+    equals one without them."""
+    import slipstream
+    from slipstream.distributed import comm
+
+    rank = comm.get_rank()
+    plain, *_ = slipstream.initialize(model=tiny_llama(), config=tp_config(3))
+    cycled, *_ = slipstream.initialize(model=tiny_llama(), config=tp_config(3))
+    train_step(plain, 1)
+    train_step(cycled, 1)
+    ids, mask = tp_prompts(rank)
+    for i in range(3):
+        cycled.eval()
+        cycled.generate(ids, attention_mask=mask, max_new_tokens=3 + i)
+        cycled.train()
+    train_step(plain, 2)
+    train_step(cycled, 2)
+    return {"plain": full_params(plain), "cycled": full_params(cycled)}
+
+
+def tp_refusals() -> dict[str, str]:
+    """inference_tp_size not dividing the world (3 at 2) or the heads (2 with 3 heads), a
+    model its class cannot rebuild, and bad generate requests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slipstream
+    from slipstream.distributed import comm
+
+    three_heads = LlamaForCausalLM(
+        LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3)
+    )  # fmt: skip
+    adapted = tiny_llama()
+    adapted.model.layers[0].mlp.extra = nn.Linear(2, 2)  # a parameter the class lacks
+    errors = {}
+    cases = {
+        "world": (tiny_llama(), tp_config(3, tp=3)),
+        "heads": (three_heads, tp_config(3)),
+        "adapted": (adapted, tp_config(3)),
+    }
+    for name, (model, cfg) in cases.items():
+        try:
+            slipstream.initialize(model=model, config=cfg)
+        except slipstream.ConfigError as e:
+            errors[name] = str(e)
+    # Requests that fail on one rank, or only jointly, fail on both before any gather.
+    rank = comm.get_rank()
+    engine, *_ = slipstream.initialize(model=tiny_llama(), config=tp_config(3))
+    wide = torch.randint(EOS + 1, VOCAB, (1, 30 if rank == 0 else 5))
+    requests = {
+        "one_rank": {"input_ids": wide[:, :5], "max_new_tokens": 4 if rank == 0 else -1},
+        "joint_length": {"input_ids": wide, "max_new_tokens": 2 if rank == 0 else 20},
+    }
+    for name, kwargs in requests.items():
+        try:
+            engine.generate(**kwargs)
+        except slipstream.ConfigError as e:
+            errors[name] = str(e)
+    return errors
+
+
 def grpo_demo(steps: int = 15) -> dict[str, float]:
     """examples/rlhf_grpo.py at 2 ranks, 4 prompts each (its 8-prompt batch split over them)."""
     import importlib.util
@@ -190,6 +394,9 @@ def all_checks() -> dict[str, Any]:
         "trip3": lambda: round_trip_checks(3),
         "grpo": grpo_demo,
         **lora.CHECKS,
+        "tp_gen": tp_generation_checks,
+        "tp_trip": tp_round_trip_checks,
+        "tp_refusals": tp_refusals,
     }
     out: dict[str, Any] = {"seconds": {}}
     for name, check in checks.items():

@@ -55,18 +55,69 @@ def test_models_and_layouts_it_cannot_serve_are_refused_at_initialize(rlhf_world
         assert "tensor_parallel.autotp_size=2" in errors["tp"]
 
 
+def test_tensor_parallel_generation_equals_the_unsharded_model_token_for_token(rlhf_world):
+    """inference_tp_size 2 at world 2: both ranks form one TP group and decode the two
+    ranks' prompts together (different widths, counts and contents per rank; rank 0 wants
+    6 tokens, rank 1 wants 10, so the group decodes 10 steps, each agreed by one broadcast).
+    Each rank gets exactly its own rows as the unsharded model generates them: the LLaMA at
+    ZeRO-3 (one layer gathered at a time) and ZeRO-1, the reference GPT at ZeRO-3 (two
+    layers at a time), the LLaMA with LoRA adapters (nonzero B) at ZeRO-3, fused into the
+    TP copy; with EOS tokens that end rank 0's rows early, rank 0's answer stops
+    there while the group decodes on for rank 1."""
+    for rank, g in enumerate(result(rlhf_world, "tp_gen")):
+        for case in ("llama3", "llama1", "gpt3", "lora3"):
+            assert g[case]["got"].shape[0] == 2 + rank, case
+            assert torch.equal(g[case]["got"], g[case]["want"]), case
+            assert g[case]["steps"] == 10, case
+            assert g[case]["after"] == g[case]["before"], case  # training shards untouched
+            assert g[case]["stats"].calls == (2 if case == "llama3" else 1), case
+        # Layers whole at each gather of the build: the rest of the model first, then
+        # tp_gather_partition_size layers at a time (1 for the LLaMA, 2 for the GPT).
+        assert g["llama3"]["gathered"] == [[], [0], [1], [2]]
+        assert g["gpt3"]["gathered"] == [[], [0, 1], [2]]
+        assert g["llama1"]["gathered"] == []  # ZeRO-1: whole parameters, nothing gathered
+        assert torch.equal(g["eos"]["got"], g["eos"]["want"])
+    rank0_eos = result(rlhf_world, "tp_gen")[0]["eos"]["got"]
+    assert rank0_eos.shape[1] < 5 + 6  # stopped early although the group went on
+
+
+def test_tensor_parallel_round_trips_leave_the_next_training_step_unchanged(rlhf_world):
+    """ZeRO-3, inference_tp_size 2: 3 eval/generate/train cycles between two steps give
+    the same parameters as no cycles."""
+    for t in result(rlhf_world, "tp_trip"):
+        assert set(t["plain"]) == set(t["cycled"])
+        for name, p in t["plain"].items():
+            assert torch.equal(p, t["cycled"][name]), name
+
+
+def test_inference_tp_size_not_dividing_the_world_or_heads_is_refused(rlhf_world):
+    """At initialize: T not dividing the world or the heads, a model whose class cannot
+    rebuild it (an added layer). At generate, on both ranks before any gather: a request
+    only rank 1 gets wrong (rank 0 names rank 1), and one that only the joint batch breaks
+    (rank 0: 30-token prompt + 2, rank 1: 5 + 20, joint 30 + 20 > max_out_tokens 40)."""
+    for rank, errors in enumerate(result(rlhf_world, "tp_refusals")):
+        assert "inference_tp_size=3 does not divide the world size 2" in errors["world"]
+        heads = errors["heads"]
+        assert "inference_tp_size=2 does not divide the model's num_attention_heads=3" in heads
+        assert "training module has 'model.layers.0.mlp.extra." in errors["adapted"]
+        assert "-1 new tokens requested" in errors["one_rank"]
+        assert errors["one_rank"].startswith("hybrid engine: rank 1: ") == (rank == 0)
+        assert "50 > hybrid_engine.max_out_tokens=40" in errors["joint_length"]
+
+
 def test_hybrid_engine_block_is_parsed_and_unsupported_options_refused():
-    """DeepSpeed's keys and defaults are accepted; inference_tp_size > 1 is refused (not
-    implemented), never ignored; a typo is an unknown-key error."""
+    """DeepSpeed's keys and defaults are accepted (inference_tp_size is checked against the
+    world and the model when the engine is built); a typo is an unknown-key error."""
     from slipstream.config import ConfigError, parse_config
 
     base = {"train_batch_size": 1}
     block = parse_config({**base, "hybrid_engine": {"enabled": True}}).hybrid_engine
     assert (block.max_out_tokens, block.inference_tp_size, block.pin_parameters) == (512, 1, True)
     assert (block.release_inference_cache, block.tp_gather_partition_size) == (False, 8)
-    with pytest.raises(
-        ConfigError, match=r"'hybrid_engine\.inference_tp_size' = 2 is not supported"
-    ):
-        parse_config({**base, "hybrid_engine": {"enabled": True, "inference_tp_size": 2}})
+    tp = {"enabled": True, "inference_tp_size": 2, "tp_gather_partition_size": 1}
+    block = parse_config({**base, "hybrid_engine": tp}).hybrid_engine
+    assert (block.inference_tp_size, block.tp_gather_partition_size) == (2, 1)
+    with pytest.raises(ConfigError, match="inference_tp_size"):
+        parse_config({**base, "hybrid_engine": {"enabled": True, "inference_tp_size": 0}})
     with pytest.raises(ConfigError, match="pin_paramters"):
         parse_config({**base, "hybrid_engine": {"enabled": True, "pin_paramters": False}})

@@ -42,6 +42,7 @@ def parallelize_tp_(
     plan: TPPlan | None = None,
     sequence_parallel: bool = False,
     rng_tracker: RNGStatesTracker | None = None,
+    skeleton: bool = False,
 ) -> nn.Module:
     """Split ``model``'s layers over ``tp_group`` in place (parameter objects and names kept).
 
@@ -57,6 +58,10 @@ def parallelize_tp_(
         rng_tracker: the tracker whose per-rank stream the sharded regions draw from
             (default: the process-wide ``get_rng_tracker()``); seeded here if it has no
             stream yet.
+        skeleton: ``model`` is on the meta device: split the shapes only (no broadcast) and
+            let the caller fill each rank's slices afterwards (the hybrid engine builds its
+            tensor-parallel generation copy this way, a few gathered layers at a time, so no
+            rank ever holds the whole model).
 
     Every rank must hold the same full weights before the call (same seed, or loaded).
     Returns the model.
@@ -66,7 +71,7 @@ def parallelize_tp_(
         return model
     # A meta parameter, or one partitioned by zero.Init (it has DeepSpeed's ds_id).
     meta = [n for n, p in model.named_parameters() if p.is_meta or hasattr(p, "ds_id")]
-    if meta:
+    if meta and not skeleton:
         raise ConfigError(
             f"tensor parallelism needs full weights on every rank, but {meta[0]!r} is on the "
             "meta device or partitioned (built under zero.Init?): build the model normally; "
@@ -86,10 +91,8 @@ def parallelize_tp_(
         )
     _check_heads(model, plan, world)
     # Every TP rank slices the same full weights: take TP rank 0's.
-    src = comm.global_rank(tp_group, 0)
-    with torch.no_grad():
-        for p in {id(p): p for p in model.parameters()}.values():
-            comm.broadcast(p.data, src=src, group=tp_group, label="tp_init")
+    if not skeleton:
+        _broadcast_weights(model, tp_group)
     for name, style in plan.styles.items():
         _apply_style(model, name, style, plan, tp_group, sequence_parallel, tracker)
     for name, attrs in plan.head_attrs.items():
@@ -102,6 +105,14 @@ def parallelize_tp_(
     # Read by save_16bit_model to gather the full tensors of the shards.
     model.tp_group = tp_group  # type: ignore[assignment]
     return model
+
+
+def _broadcast_weights(model: nn.Module, tp_group: comm.Group) -> None:
+    """Every TP rank slices the same full weights: take TP rank 0's."""
+    src = comm.global_rank(tp_group, 0)
+    with torch.no_grad():
+        for p in {id(p): p for p in model.parameters()}.values():
+            comm.broadcast(p.data, src=src, group=tp_group, label="tp_init")
 
 
 def _model_plan(model: nn.Module, sequence_parallel: bool) -> TPPlan:

@@ -16,7 +16,7 @@ from slipstream.distributed import comm
 from slipstream.distributed.placement import TPShard, set_tp_shard_, tp_shard
 from slipstream.parallel.tensor.collectives import all_gather
 
-__all__ = ["is_tp_sharded", "shard_param_", "unshard_tp"]
+__all__ = ["is_tp_sharded", "shard_param_", "tp_slice", "unshard_tp"]
 
 
 def shard_param_(p: nn.Parameter, dim: int, group: comm.Group, parts: int = 1) -> None:
@@ -26,12 +26,18 @@ def shard_param_(p: nn.Parameter, dim: int, group: comm.Group, parts: int = 1) -
     each block is split and this rank keeps its slice of every block, in order.
     """
     world, rank = comm.get_world_size(group), comm.get_rank(group)
-    blocks = p.data.chunk(parts, dim)
-    local = torch.cat([b.chunk(world, dim)[rank] for b in blocks], dim).contiguous()
+    local = tp_slice(p.data, TPShard(dim=dim, parts=parts, rank=rank, size=world))
     # swap_tensors, not .data: a parameter that already ran backward caches its old shape
     # in its gradient accumulator. The Parameter object (and its identity) stays.
     torch.utils.swap_tensors(p, nn.Parameter(local, requires_grad=p.requires_grad))
     set_tp_shard_(p, TPShard(dim=dim, parts=parts, rank=rank, size=world))
+
+
+def tp_slice(full: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """The slice ``shard`` describes of the full logical tensor ``full`` (a new tensor)."""
+    blocks = full.chunk(shard.parts, shard.dim)
+    pieces = [b.chunk(shard.size, shard.dim)[shard.rank] for b in blocks]
+    return torch.cat(pieces, shard.dim).contiguous()
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:

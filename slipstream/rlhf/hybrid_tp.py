@@ -1,0 +1,392 @@
+"""Tensor-parallel generation for the hybrid engine (``hybrid_engine.inference_tp_size`` > 1).
+
+DeepSpeed-Chat's hybrid engine (Yao et al. 2023, arXiv 2308.01320, section 5) regroups the
+ZeRO-trained actor for generation: the ranks of each tensor-parallel group of ``T``
+consecutive ranks gather the full weights a few layers at a time
+(``tp_gather_partition_size``), keep only their TP slice, generate the concatenation of the
+group's prompt batches together, and hand each rank its own rows back. Decoding is then bound
+by ``1/T`` of the weights per rank instead of the whole model, and no parameter is gathered
+per token.
+
+slipstream builds the TP copy (the *replica*) from the model's own class on the meta device,
+splits it with the training side's tensor-parallel plan (``parallelize_tp_(skeleton=True)``:
+the reference GPT's plan, or the automatic plan of a Hugging Face LLaMA-family model), gives
+each parameter this rank's slice while its ZeRO-3 unit is gathered (a LoRA layer's base
+weight with its adapters fused in, ``W + scaling B A``), and decodes it with the
+inference engine's TP rank sync (:class:`~slipstream.inference.parallel.TPRankSync`: one
+request and one token choice per group). The replica lives for one ``generate`` call; the
+training module, its shards and its optimizer state are never written.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.config import ConfigError
+from slipstream.distributed import comm
+from slipstream.distributed.placement import TPShard, tp_shard
+from slipstream.inference import generation
+from slipstream.inference.parallel import TPRankSync
+from slipstream.inference.request import GenerationRequest, build_request
+from slipstream.models.gpt import GPT
+from slipstream.models.lora import LoRALinear
+from slipstream.parallel.tensor import parallelize_tp_, tp_slice
+from slipstream.zero import GatheredParameters
+
+__all__ = ["TPGenerator", "check_inference_tp"]
+
+# Config attributes holding head counts: the reference GPT's, then Hugging Face's names.
+_HEAD_COUNTS = ("num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads")
+# Arguments that make no sense on a group's shared batch (refused, never ignored).
+_REFUSED = ("stop_strings", "streamer")
+
+
+def check_inference_tp(module: nn.Module, tp: int, world: int) -> None:
+    """Refuse an ``inference_tp_size`` the job or the model cannot be split by.
+
+    Raises:
+        ConfigError: ``tp`` does not divide the world, or a head count of the model.
+    """
+    if world % tp:
+        raise ConfigError(
+            f"hybrid_engine.inference_tp_size={tp} does not divide the world size {world}: "
+            f"the ranks generate in tensor-parallel groups of {tp} consecutive ranks; use a "
+            f"size that divides {world} (or 1)"
+        )
+    config = getattr(module, "config", None)
+    for attr in _HEAD_COUNTS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+            raise ConfigError(
+                f"hybrid_engine.inference_tp_size={tp} does not divide the model's {attr}="
+                f"{value}: every rank of a generation group must hold whole attention heads; "
+                f"use a size that divides {value}"
+            )
+
+
+@dataclass
+class _GroupBatch:
+    """The group's prompts, left-padded to one length, and where this rank's rows are."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    first_row: int
+    own_prompts: int
+    max_new_tokens: int
+
+
+class TPGenerator:
+    """Generation of a (possibly ZeRO-3) training module in tensor-parallel groups.
+
+    Args:
+        module: the training engine's module (slipstream's GPT or a Hugging Face causal LM).
+        tp_size: ranks per generation group (consecutive global ranks).
+        gather_layers: transformer layers gathered at a time while building the replica.
+        zero3: whether ``module``'s parameters are ZeRO-3 partitioned.
+        device: where the replica lives (the engine's device).
+
+    Every rank of the job must construct it (it creates the groups, a collective).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        tp_size: int,
+        gather_layers: int,
+        zero3: bool,
+        device: torch.device,
+    ) -> None:
+        world = comm.get_world_size()
+        check_inference_tp(module, tp_size, world)
+        _check_rebuildable(module)
+        self.module, self.tp_size, self.gather_layers = module, tp_size, gather_layers
+        self.zero3, self.device = zero3, device
+        self.group = _tp_group(tp_size, world)
+        self.sync = TPRankSync(self.group)
+        self.gather_seconds = 0.0
+
+    def generate(self, kwargs: dict[str, Any], max_out_tokens: int) -> torch.Tensor:
+        """This rank's ``[batch, prompt + new]`` ids, generated by its group together.
+
+        Every rank of the job must call it (the replica is built with ZeRO-3 gathers over
+        the whole data-parallel world). The group's ranks must ask for the same generation
+        (sampling, EOS, ...) except for their prompts and ``max_new_tokens``.
+        """
+        req, batch = self._exchange(kwargs, max_out_tokens)
+        started = time.perf_counter()
+        replica = self._build_replica()
+        self.gather_seconds += time.perf_counter() - started
+        rest = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("input_ids", "attention_mask", "max_length", "max_new_tokens")
+        }
+        out = generation.generate(
+            replica,
+            max_out_tokens=max_out_tokens,
+            sync=self.sync,
+            input_ids=batch.input_ids.to(req.input_ids.device),
+            attention_mask=batch.attention_mask.to(req.input_ids.device),
+            max_new_tokens=batch.max_new_tokens,
+            **rest,
+        )
+        del replica  # the TP shards go with it; the training module was never touched
+        return _own_rows(out, req, batch)
+
+    def _exchange(
+        self, kwargs: dict[str, Any], max_out_tokens: int
+    ) -> tuple[GenerationRequest, _GroupBatch]:
+        """Validate this rank's request and share its prompts with every rank before any
+        collective of the build: a request that fails here (on any rank, or a group whose
+        joint batch is too long) makes every rank raise, so no rank waits in a gather."""
+        error, req = "", None
+        try:
+            req = self._own_request(kwargs, max_out_tokens)
+        except ConfigError as e:
+            error = str(e)
+        mine = None
+        if req is not None:
+            copies = req.input_ids.shape[0] // kwargs["input_ids"].shape[0]
+            # Prompts before num_return_sequences copies, with the resolved mask.
+            prompts = req.input_ids[::copies].cpu(), req.attention_mask[::copies].cpu()
+            mine = (*prompts, req.max_new_tokens, req.pad_token_id)
+        entries = comm.all_gather_object((error, mine))
+        for rank, (message, _) in enumerate(entries):
+            if message:
+                where = "" if message == error else f"hybrid engine: rank {rank}: "
+                raise ConfigError(where + message)
+        groups = [
+            [mine for _, mine in entries[start : start + self.tp_size]]
+            for start in range(0, len(entries), self.tp_size)
+        ]
+        for parts in groups:  # every rank checks every group, so all raise alike
+            _check_fits(parts, max_out_tokens)
+        assert req is not None
+        rank = comm.get_rank()
+        return req, _join(groups[rank // self.tp_size], rank % self.tp_size)
+
+    def _own_request(self, kwargs: dict[str, Any], max_out_tokens: int) -> GenerationRequest:
+        refused = [k for k in _REFUSED if kwargs.get(k) is not None]
+        if refused:
+            raise ConfigError(
+                f"generate: {refused[0]} is not supported with hybrid_engine."
+                f"inference_tp_size={self.tp_size} (the group decodes one shared batch); "
+                "use inference_tp_size 1 for it"
+            )
+        context = generation.driver_for(self.module).context_length(self.module)
+        return build_request(self.module, kwargs, max_out_tokens=max_out_tokens, context=context)
+
+    def _build_replica(self) -> nn.Module:
+        """The TP-split copy of the module holding this rank's slices, filled
+        ``gather_layers`` transformer layers at a time (the rest of the model first)."""
+        with torch.device("meta"):
+            replica = _same_class(self.module)
+        groups = _gather_groups(replica, self.gather_layers)
+        parallelize_tp_(replica, self.group, skeleton=True)
+        shards = _materialize_(replica, self.module, self.device)
+        _copy_buffers_(replica, self.module)
+        source = dict(self.module.named_parameters(remove_duplicate=False))
+        target = dict(replica.named_parameters(remove_duplicate=False))
+        for names in groups:
+            lora = {n: o for n in names if (o := _lora_owner(self.module, n)) is not None}
+            params = [source[n] for n in names]
+            params += [q for o in lora.values() for q in (o.lora_a, o.lora_b)]
+            params = list({id(q): q for q in params}.values())
+            with GatheredParameters(params) if self.zero3 else nullcontext(), torch.no_grad():
+                for name in names:
+                    p = target[name]
+                    full = source[name].detach()
+                    if name in lora:  # DeepSpeed-HE fuses LoRA for generation: W + s B A
+                        full = (full.float() + lora[name].delta()).to(full.dtype)
+                    shard = shards.get(id(p))
+                    p.copy_(full if shard is None else tp_slice(full, shard))
+        return replica.eval()
+
+
+def _check_fits(parts: list[Any], max_out_tokens: int) -> None:
+    """Refuse a group whose joint batch (its longest prompt plus the most new tokens one of
+    its ranks asks for) exceeds ``hybrid_engine.max_out_tokens``."""
+    width = max(p[0].shape[1] for p in parts)
+    new = max(p[2] for p in parts)
+    if width + new > max_out_tokens:
+        raise ConfigError(
+            f"hybrid engine: a generation group joins its ranks' prompts, padded to the "
+            f"longest ({width} tokens), and decodes the most new tokens asked ({new}): "
+            f"{width + new} > hybrid_engine.max_out_tokens={max_out_tokens}; raise "
+            "max_out_tokens or give the ranks prompts and lengths that fit together"
+        )
+
+
+def _join(parts: list[Any], rank: int) -> _GroupBatch:
+    """The group's prompts (``parts``: per rank, ids, mask, new tokens, pad id) left-padded
+    to the longest and concatenated in rank order; the group decodes the most new tokens.
+    ``rank``: the caller's rank in the group."""
+    width = max(p[0].shape[1] for p in parts)
+    ids = [F.pad(p[0], (width - p[0].shape[1], 0), value=p[3]) for p in parts]
+    masks = [F.pad(p[1], (width - p[1].shape[1], 0), value=0) for p in parts]
+    return _GroupBatch(
+        input_ids=torch.cat(ids),
+        attention_mask=torch.cat(masks),
+        first_row=sum(p[0].shape[0] for p in parts[:rank]),
+        own_prompts=parts[rank][0].shape[0],
+        max_new_tokens=max(p[2] for p in parts),
+    )
+
+
+def _tp_group(tp: int, world: int) -> comm.Group:
+    """Consecutive ranks in groups of ``tp`` (every rank creates every group)."""
+    if tp == world:
+        return None  # the default group
+    mine: comm.Group = None
+    for start in range(0, world, tp):
+        group = comm.new_group(list(range(start, start + tp)), axis="tp")
+        if start <= comm.get_rank() < start + tp:
+            mine = group
+    return mine
+
+
+def _same_class(module: nn.Module) -> nn.Module:
+    """A fresh model of ``module``'s class and config (on the current default device)."""
+    if isinstance(module, GPT):
+        return GPT(module.config)
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ConfigError(
+            f"hybrid_engine.inference_tp_size > 1 rebuilds the model from its config, but "
+            f"{type(module).__name__} has no .config; use inference_tp_size 1"
+        )
+    return type(module)(config)
+
+
+def _check_rebuildable(module: nn.Module) -> None:
+    """The replica is rebuilt from the module's class and config: refuse a module whose
+    parameters differ from that (adapters added, layers swapped) before training starts."""
+    with torch.device("meta"):
+        rebuilt = _same_class(module)
+    ours = {n for n, _ in rebuilt.named_parameters(remove_duplicate=False)}
+    theirs = {n for n, _ in module.named_parameters(remove_duplicate=False)} - set(
+        _adapter_names(module)
+    )
+    extra, missing = sorted(theirs - ours), sorted(ours - theirs)
+    if extra or missing:
+        odd = f"has {extra[0]!r}" if extra else f"lacks {missing[0]!r}"
+        raise ConfigError(
+            f"hybrid_engine.inference_tp_size > 1 rebuilds the {type(module).__name__} from "
+            f"its class and config for generation, but the training module {odd} "
+            f"({len(extra)} parameters more, {len(missing)} fewer than the rebuilt one: "
+            "replaced or added layers?); use inference_tp_size 1 for this model"
+        )
+
+
+def _adapter_names(module: nn.Module) -> list[str]:
+    """Names of the LoRA adapter matrices: fused into their base weight in the replica."""
+    return [
+        f"{name}.{leaf}"
+        for name, m in module.named_modules()
+        if isinstance(m, LoRALinear)
+        for leaf in ("lora_a", "lora_b")
+    ]
+
+
+def _lora_owner(module: nn.Module, name: str) -> LoRALinear | None:
+    """The unfused LoRA layer whose base weight parameter ``name`` is, else None."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf == "weight" and isinstance(owner, LoRALinear) and not owner.fused:
+        return owner
+    return None
+
+
+def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The transformer blocks: the ``nn.ModuleList`` with the most parameters."""
+    best: tuple[str, nn.ModuleList] | None = None
+    best_size = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = (name, module), size
+    if best is None:
+        raise ConfigError(
+            f"hybrid_engine.inference_tp_size > 1: {type(model).__name__} has no transformer "
+            "blocks (nn.ModuleList) to gather layer by layer; use inference_tp_size 1"
+        )
+    return best
+
+
+def _gather_groups(model: nn.Module, per_group: int) -> list[list[str]]:
+    """Parameter names (aliases of tied weights included) in gather order: everything
+    outside the blocks, then the blocks ``per_group`` at a time."""
+    prefix, layers = _layer_list(model)
+    groups: list[list[str]] = [[] for _ in range(1 + -(-len(layers) // per_group))]
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        head, _, rest = name.partition(prefix + ".") if prefix else ("", "", name)
+        index = rest.split(".", 1)[0]
+        if head == "" and rest and index.isdigit():
+            groups[1 + int(index) // per_group].append(name)
+        else:
+            groups[0].append(name)
+    return [g for g in groups if g]
+
+
+def _materialize_(
+    replica: nn.Module, source: nn.Module, device: torch.device
+) -> dict[int, TPShard]:
+    """Give every meta parameter of ``replica`` storage of its (sliced) shape, in the
+    source parameter's dtype; returns each TP-split parameter's slice, by ``id``."""
+    dtypes = {n: p.dtype for n, p in source.named_parameters(remove_duplicate=False)}
+    shards: dict[int, TPShard] = {}
+    for name, p in replica.named_parameters():
+        if name not in dtypes:
+            raise ConfigError(
+                f"hybrid engine: the rebuilt {type(replica).__name__} has parameter {name!r} "
+                "that the training module lacks (a modified model?); use inference_tp_size 1"
+            )
+        shard = tp_shard(p)
+        new = nn.Parameter(torch.empty(p.shape, dtype=dtypes[name], device=device), False)
+        torch.utils.swap_tensors(p, new)  # keeps ties: the Parameter object stays
+        if shard is not None:
+            shards[id(p)] = shard
+    return shards
+
+
+def _copy_buffers_(replica: nn.Module, source: nn.Module) -> None:
+    """Buffers (rotary tables) and plain tensor attributes computed at construction are
+    meta in the replica: share the training module's (they are not partitioned)."""
+    sources = dict(source.named_modules())
+    for name, module in replica.named_modules():
+        origin = sources.get(name)
+        if origin is None:
+            continue
+        for key, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[key] = origin.get_buffer(key)
+        for key, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(module, key, getattr(origin, key))
+
+
+def _own_rows(out: torch.Tensor, req: GenerationRequest, batch: _GroupBatch) -> torch.Tensor:
+    """This rank's rows of the group's output, as this rank alone would have generated
+    them: its own prompt width, its own ``max_new_tokens``, and no columns after all its
+    rows have ended (the group went on for other ranks' rows)."""
+    rows = req.input_ids.shape[0]  # this rank's prompts times num_return_sequences
+    copies = rows // batch.own_prompts
+    first = batch.first_row * copies
+    prompt = req.input_ids.shape[1]
+    mine = out[first : first + rows, batch.input_ids.shape[1] - prompt :]
+    new = mine[:, prompt : prompt + req.max_new_tokens]
+    if req.eos_token_ids and new.shape[1] > 0:
+        eos = torch.isin(new, torch.tensor(req.eos_token_ids, device=new.device))
+        if bool(eos.any(1).all()):
+            # Every row ended: alone, this rank would have stopped at the last first EOS
+            # (an EOS before min_new_tokens is never chosen, so the first one is the end).
+            new = new[:, : int((eos.int().argmax(1) + 1).max())]
+    return torch.cat([mine[:, :prompt], new], dim=1)
