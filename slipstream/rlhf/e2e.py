@@ -30,7 +30,6 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
-from slipstream.models.gpt import GPT, GPTConfig
 from slipstream.rlhf.chat import PPOConfig, PPOMetrics, PPOTrainer, RewardModel, reward_step
 from slipstream.rlhf.chat import sft_step as _sft_step
 from slipstream.rlhf.data import (
@@ -44,11 +43,19 @@ from slipstream.rlhf.data import (
     split_for_step,
     text_batch,
 )
-from slipstream.rlhf.lora import LoRAPolicy, apply_lora_policy_, merge_lora_state_dict
+from slipstream.rlhf.lora import LoRAPolicy, apply_lora_policy_
+from slipstream.rlhf.model_files import (
+    CharTokenizer,
+    load_lm,
+    load_reward_model,
+    load_tokenizer,
+    model_kind,
+    require_trained_reward_model,
+    save_model,
+)
 from slipstream.rlhf.offload import offload_frozen_
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
-from slipstream.zero import gathered_model
 
 __all__ = [
     "CharTokenizer",
@@ -56,10 +63,9 @@ __all__ = [
     "load_lm",
     "load_reward_model",
     "run_chat",
+    "save_model",
 ]
 
-GPT_FILE = "slipstream_gpt.json"
-V_HEAD_FILE = "v_head.pt"
 STEP_DIRS = {1: "step1_sft", 2: "step2_reward", 3: "step3_rlhf"}
 
 
@@ -117,191 +123,6 @@ class ChatOptions:
 
     def epochs_of(self, step: int) -> int:
         return self.step_epochs.get(step, self.epochs)
-
-
-# ---------------------------------------------------------------------------- tokenizers
-
-
-class CharTokenizer:
-    """One id per character, for the reference GPT: pad 0, EOS 1, the characters from 2.
-
-    Built from the data (:meth:`from_texts`), saved with the model (``tokenizer.json``).
-    """
-
-    pad_token_id: int | None = 0
-    eos_token_id: int | None = 1
-    chat_template = None
-
-    def __init__(self, chars: str) -> None:
-        self.chars = chars
-        self._ids = {c: i + 2 for i, c in enumerate(chars)}
-
-    @classmethod
-    def from_texts(cls, texts: Sequence[str]) -> CharTokenizer:
-        return cls("".join(sorted(set("".join(texts)))))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars) + 2
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        try:
-            return [self._ids[c] for c in text]
-        except KeyError as e:
-            raise ConfigError(
-                f"character {e.args[0]!r} of {text[:40]!r} is not in this character "
-                f"tokenizer's vocabulary ({self.chars!r}): the model was built from other data"
-            ) from None
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.chars[i - 2] for i in ids if i >= 2)
-
-    def save(self, directory: Path) -> None:
-        (directory / "tokenizer.json").write_text(json.dumps({"type": "char", "chars": self.chars}))
-
-    @classmethod
-    def load(cls, directory: Path) -> CharTokenizer:
-        spec = json.loads((directory / "tokenizer.json").read_text())
-        return cls(spec["chars"])
-
-
-# ---------------------------------------------------------------------------- models
-
-
-def _model_kind(spec: str, what: str) -> str:
-    """``"preset"`` (``gpt:NAME``), ``"gpt"`` (a saved reference GPT) or ``"hf"``."""
-    if spec.startswith("gpt:"):
-        return "preset"
-    path = Path(spec)
-    if (path / GPT_FILE).is_file():
-        return "gpt"
-    if (path / "config.json").is_file():
-        return "hf"
-    raise ConfigError(
-        f"--{what} {spec!r} is neither a Hugging Face model directory (no config.json), a "
-        f"saved slipstream GPT (no {GPT_FILE}) nor gpt:PRESET (gpt:tiny, gpt:small, gpt:25m)"
-    )
-
-
-def load_tokenizer(spec: str, what: str, texts: Sequence[str]) -> Any:
-    """The tokenizer of model ``spec`` (cheap: no weights), so that the actor's and the
-    reward model's can be compared before any training. A Hugging Face tokenizer without a
-    pad token gets its EOS as pad (as DeepSpeed-Chat does)."""
-    kind = _model_kind(spec, what)
-    if kind == "preset":
-        return CharTokenizer.from_texts(texts)
-    if kind == "gpt":
-        return CharTokenizer.load(Path(spec))
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def _gpt_from_preset(spec: str, tok: CharTokenizer, max_len: int, seed: int) -> GPT:
-    torch.manual_seed(seed)
-    cfg = GPTConfig.preset(
-        spec.removeprefix("gpt:"), vocab_size=tok.vocab_size, max_seq_len=max_len
-    )
-    return GPT(cfg)
-
-
-def _load_gpt(path: Path) -> tuple[GPT, dict[str, Any]]:
-    meta = json.loads((path / GPT_FILE).read_text())
-    return GPT(GPTConfig(**meta["config"])), meta
-
-
-def load_lm(spec: str, tok: Any, max_len: int, seed: int) -> nn.Module:
-    """The causal LM ``spec`` names (``--actor``): new (``gpt:PRESET``) or loaded."""
-    kind = _model_kind(spec, "actor")
-    if kind == "preset":
-        return _gpt_from_preset(spec, tok, max_len, seed)
-    if kind == "gpt":
-        model, meta = _load_gpt(Path(spec))
-        if meta.get("reward"):
-            raise ConfigError(f"--actor {spec} is a reward model (step 2's output), not an LM")
-        model.load_state_dict(torch.load(Path(spec) / "model.pt", weights_only=True))
-        return model
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
-
-
-def is_trained_reward_model(spec: str) -> bool:
-    """Whether ``spec`` is a directory step 2 wrote (it holds the value head)."""
-    path = Path(spec)
-    if (path / GPT_FILE).is_file():
-        return bool(json.loads((path / GPT_FILE).read_text()).get("reward"))
-    return (path / V_HEAD_FILE).is_file()
-
-
-def _require_trained_reward_model(spec: str) -> None:
-    if not is_trained_reward_model(spec):
-        raise ConfigError(
-            f"step 3 needs a trained reward model (step 2's output directory); --reward {spec} "
-            "is not one (an LM or gpt:PRESET): run --step 2 first, or --step all"
-        )
-
-
-def load_reward_model(spec: str, tok: Any, max_len: int, seed: int) -> RewardModel:
-    """``--reward``: a trained reward model (step 2's output: the value head is loaded) or
-    an LM to start step 2 from (a new value head; its LM head is dropped)."""
-    kind = _model_kind(spec, "reward")
-    path = Path(spec)
-    if kind == "preset":
-        return RewardModel(_gpt_from_preset(spec, tok, max_len, seed + 1))
-    if kind == "gpt":
-        gpt, meta = _load_gpt(path)
-        rm = RewardModel(gpt)
-        state = torch.load(path / "model.pt", weights_only=True)
-        if meta.get("reward"):
-            rm.load_state_dict(state)
-        else:  # an LM: its LM head is dropped, the value head is new
-            rm.backbone.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"})
-        return rm
-    from transformers import AutoModel
-
-    if is_trained_reward_model(spec):
-        rm = RewardModel(AutoModel.from_pretrained(spec, local_files_only=True))
-        rm.v_head.load_state_dict(torch.load(path / V_HEAD_FILE, weights_only=True))
-        return rm
-    from transformers import AutoModelForCausalLM
-
-    return RewardModel(AutoModelForCausalLM.from_pretrained(spec, local_files_only=True))
-
-
-def _full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s state dict as whole tensors on every rank (ZeRO-3 gathered for it)."""
-    with gathered_model(module):
-        return {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
-
-
-def save_model(module: nn.Module, tok: Any, directory: Path) -> None:
-    """Write a causal LM or a :class:`RewardModel` (every rank calls; rank 0 writes): Hugging
-    Face ``save_pretrained`` (plus ``v_head.pt`` for a reward model) or the GPT layout."""
-    state = merge_lora_state_dict(module, _full_state(module))  # a plain model on disk
-    if comm.get_rank() != 0:
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    reward = isinstance(module, RewardModel)
-    inner = module.backbone if isinstance(module, RewardModel) else module
-    if isinstance(inner, GPT):
-        meta = {"config": asdict(inner.config), "reward": reward}
-        (directory / GPT_FILE).write_text(json.dumps(meta, indent=1))
-        torch.save(state, directory / "model.pt")
-        tok.save(directory)
-        return
-    if reward:
-        backbone = {
-            k.removeprefix("backbone."): v for k, v in state.items() if k != "v_head.weight"
-        }
-        inner.save_pretrained(directory, state_dict=backbone)  # type: ignore[operator]
-        torch.save({"weight": state["v_head.weight"]}, directory / V_HEAD_FILE)
-    else:
-        module.save_pretrained(directory, state_dict=state)  # type: ignore[operator]
-    tok.save_pretrained(directory)
 
 
 # ---------------------------------------------------------------------------- data
@@ -491,7 +312,7 @@ def _frozen(model: nn.Module, offload: bool) -> nn.Module:
 
 def _step3(run: _Run, actor_spec: str, reward_spec: str) -> None:
     o = run.opts
-    if _model_kind(actor_spec, "actor") == "preset":
+    if model_kind(actor_spec, "actor") == "preset":
         log_rank0("chat step 3: the actor %s is untrained (no SFT)", actor_spec)
 
     def lm() -> nn.Module:
@@ -608,7 +429,7 @@ def run_chat(opts: ChatOptions) -> dict[str, Any]:
     if opts.reward is not None and 3 in steps:
         check_same_tokenizer(actor_tok, reward_tok, sample)
     if steps == [3]:
-        _require_trained_reward_model(str(opts.reward))
+        require_trained_reward_model(str(opts.reward))
     if 3 in steps:  # refuse over-long prompts now, not after steps 1 and 2
         share = split_for_step(records, 3, opts.data_split, opts.seed)
         prompt_batch(actor_tok, share, opts.max_prompt_len, opts.drop_long_prompts)

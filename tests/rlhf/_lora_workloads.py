@@ -197,13 +197,8 @@ def chat_step3_with_lora(directory: str) -> dict[str, Any]:
     from pathlib import Path
 
     from slipstream.rlhf import RewardModel
-    from slipstream.rlhf.e2e import (
-        CharTokenizer,
-        ChatOptions,
-        _gpt_from_preset,
-        run_chat,
-        save_model,
-    )
+    from slipstream.rlhf.e2e import CharTokenizer, ChatOptions, run_chat, save_model
+    from slipstream.rlhf.model_files import _gpt_from_preset
     from tests.rlhf._chat_workloads import records
 
     root = Path(directory)
