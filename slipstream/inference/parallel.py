@@ -47,8 +47,13 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_tp_heads(config: Any, tp: int, what: str) -> None:
+def check_tp_heads(
+    config: Any, tp: int, what: str, key: str = "init_inference: tensor_parallel.tp_size"
+) -> None:
     """Refuse a ``tp`` that does not divide the head counts of a model ``config``.
+
+    ``what`` names the model and ``key`` the setting in the message (the hybrid engine's
+    ``inference_tp_size`` uses it too).
 
     Raises:
         ConfigError: naming the attribute, its value and ``tp``.
@@ -57,9 +62,8 @@ def check_tp_heads(config: Any, tp: int, what: str) -> None:
         value = getattr(config, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value % tp:
             raise ConfigError(
-                f"init_inference: tensor_parallel.tp_size={tp} does not divide {what}'s "
-                f"{attr}={value}: every rank must hold whole attention heads; use a tp_size "
-                f"that divides {value}"
+                f"{key}={tp} does not divide {what}'s {attr}={value}: every rank must hold "
+                f"whole attention heads; use a size that divides {value}"
             )
 
 

@@ -33,17 +33,17 @@ from slipstream.config import ConfigError
 from slipstream.distributed import comm
 from slipstream.distributed.placement import TPShard, tp_shard
 from slipstream.inference import generation
-from slipstream.inference.parallel import TPRankSync
+from slipstream.inference.parallel import TPRankSync, check_tp_heads
 from slipstream.inference.request import GenerationRequest, build_request
 from slipstream.models.gpt import GPT
 from slipstream.models.lora import LoRALinear
 from slipstream.parallel.tensor import parallelize_tp_, tp_slice
+from slipstream.parallel.tensor.plan import largest_module_list
 from slipstream.zero import GatheredParameters
 
 __all__ = ["TPGenerator", "check_inference_tp"]
 
 # Config attributes holding head counts: the reference GPT's, then Hugging Face's names.
-_HEAD_COUNTS = ("num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads")
 # Arguments that make no sense on a group's shared batch (refused, never ignored).
 _REFUSED = ("stop_strings", "streamer")
 
@@ -60,15 +60,9 @@ def check_inference_tp(module: nn.Module, tp: int, world: int) -> None:
             f"the ranks generate in tensor-parallel groups of {tp} consecutive ranks; use a "
             f"size that divides {world} (or 1)"
         )
-    config = getattr(module, "config", None)
-    for attr in _HEAD_COUNTS:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
-            raise ConfigError(
-                f"hybrid_engine.inference_tp_size={tp} does not divide the model's {attr}="
-                f"{value}: every rank of a generation group must hold whole attention heads; "
-                f"use a size that divides {value}"
-            )
+    check_tp_heads(
+        getattr(module, "config", None), tp, "the model", key="hybrid_engine.inference_tp_size"
+    )
 
 
 @dataclass
@@ -306,19 +300,13 @@ def _lora_owner(module: nn.Module, name: str) -> LoRALinear | None:
 
 def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The transformer blocks: the ``nn.ModuleList`` with the most parameters."""
-    best: tuple[str, nn.ModuleList] | None = None
-    best_size = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            size = sum(p.numel() for p in module.parameters())
-            if size > best_size:
-                best, best_size = (name, module), size
-    if best is None:
+    blocks = largest_module_list(model)
+    if blocks is None:
         raise ConfigError(
             f"hybrid_engine.inference_tp_size > 1: {type(model).__name__} has no transformer "
             "blocks (nn.ModuleList) to gather layer by layer; use inference_tp_size 1"
         )
-    return best
+    return blocks
 
 
 def _gather_groups(model: nn.Module, per_group: int) -> list[list[str]]:

@@ -80,7 +80,7 @@ def auto_tp_plan(model: nn.Module) -> TPPlan:
     so the model's own loss sees full logits. Attention attributes holding head counts are
     divided by the TP size.
     """
-    blocks = _largest_module_list(model)
+    blocks = largest_module_list(model)
     if blocks is None:
         raise ConfigError(
             f"automatic tensor parallelism found no transformer blocks (nn.ModuleList) in "
@@ -134,7 +134,9 @@ def add_block_plan(plan: TPPlan, block: nn.Module, base: str) -> None:
             plan.head_attrs[prefix + parent if parent else base] = attrs
 
 
-def _largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+def largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The ``nn.ModuleList`` with the most parameters (a model's transformer blocks), with
+    its name; None when the model has none."""
     best: tuple[str, nn.ModuleList] | None = None
     best_size = 0
     for name, module in model.named_modules():
