@@ -406,6 +406,22 @@ def _init_rank(rank: int, cfg: BenchConfig, port: int) -> torch.device:
     return device
 
 
+def _build_rank(
+    framework: Framework,
+    cfg: BenchConfig,
+    model_factory: Callable[[], nn.Module],
+    device: torch.device,
+) -> tuple[PeakMemory, Trainer]:
+    """Import the framework and the model's lazy modules, start the memory baseline, then
+    build the seeded model and wrap it: what every rank does before its first step."""
+    framework.prepare(cfg)
+    warm_imports(model_factory)
+    memory = PeakMemory(device)
+    torch.manual_seed(cfg.seed)
+    model = model_factory().to(device)
+    return memory, framework.build(model, cfg)
+
+
 def _train_rank(
     framework: Framework,
     cfg: BenchConfig,
@@ -413,12 +429,7 @@ def _train_rank(
     rank: int,
     device: torch.device,
 ) -> dict[str, Any]:
-    framework.prepare(cfg)
-    warm_imports(model_factory)
-    memory = PeakMemory(device)
-    torch.manual_seed(cfg.seed)
-    model = model_factory().to(device)
-    trainer = framework.build(model, cfg)
+    memory, trainer = _build_rank(framework, cfg, model_factory, device)
     input_ids, labels = token_batch(cfg, rank, device)
     losses = [_step(trainer, input_ids, labels, device)[0] for _ in range(cfg.warmup)]
     memory.reset_peak()
@@ -440,12 +451,7 @@ def _train_rank_interleaved(
     rank: int,
     device: torch.device,
 ) -> dict[str, Any]:
-    framework.prepare(cfg)
-    warm_imports(model_factory)
-    memory = PeakMemory(device)
-    torch.manual_seed(cfg.seed)
-    model = model_factory().to(device)
-    trainer = framework.build(model, cfg)
+    memory, trainer = _build_rank(framework, cfg, model_factory, device)
     if not hasattr(trainer, "set_variant"):
         raise TypeError(f"{type(trainer).__name__} has no set_variant: it cannot be interleaved")
     input_ids, labels = token_batch(cfg, rank, device)

@@ -219,7 +219,6 @@ def _slowest(seconds: float) -> float:
 def _generation_rank(opts: Options, rank: int, device: torch.device) -> dict[str, Any]:
     """One rank of (a) then (c): time three generation paths, then GRPO steps at ZeRO-3."""
     import slipstream
-    from slipstream.rlhf import GRPOConfig, GRPOTrainer
     from slipstream.rlhf.hybrid import HybridEngine
 
     model = build_model(opts)
@@ -258,14 +257,7 @@ def _generation_rank(opts: Options, rank: int, device: torch.device) -> dict[str
             times[name].append(_slowest(time.perf_counter() - start))
     engine.train()
 
-    trainer = GRPOTrainer(
-        engine,
-        keyword_reward,
-        GRPOConfig(
-            group_size=opts.group, max_new_tokens=opts.grpo_new_tokens, kl_coef=opts.kl_coef
-        ),
-        reference=reference,
-    )
+    trainer = _grpo_trainer(opts, engine, reference)
     steps = _grpo_steps(opts, trainer, engine, rank)
     return {
         "same_tokens": same,
@@ -284,6 +276,16 @@ def _check_full_length(answers: torch.Tensor, length: int, who: str) -> None:
             f"(shape {tuple(answers.shape)}, {length} tokens asked); build_model's residual "
             "trick no longer holds for these options"
         )
+
+
+def _grpo_trainer(opts: Options, engine: Any, reference: Any) -> Any:
+    """slipstream's GRPO trainer with the run's group size, answer length and KL weight."""
+    from slipstream.rlhf import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(
+        group_size=opts.group, max_new_tokens=opts.grpo_new_tokens, kl_coef=opts.kl_coef
+    )
+    return GRPOTrainer(engine, keyword_reward, config, reference=reference)
 
 
 def _grpo_steps(opts: Options, trainer: Any, engine: Any, rank: int) -> list[dict[str, float]]:
@@ -326,7 +328,6 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
     from trl import GRPOTrainer as TRLTrainer
 
     import slipstream
-    from slipstream.rlhf import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(opts.threads)
     model = build_model(opts)
@@ -336,14 +337,7 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
     reference = copy.deepcopy(model)
     n_rows = opts.prompts * opts.group
     engine, *_ = slipstream.initialize(model=model, config=engine_config(opts, 0, n_rows))
-    ours = GRPOTrainer(
-        engine,
-        keyword_reward,
-        GRPOConfig(
-            group_size=opts.group, max_new_tokens=opts.grpo_new_tokens, kl_coef=opts.kl_coef
-        ),
-        reference=reference,
-    )
+    ours = _grpo_trainer(opts, engine, reference)
     ids = random_prompts(opts, opts.prompts, seed=2000)
     texts = [" ".join(f"w{int(t)}" for t in row) for row in random_prompts(opts, 64, seed=3000)]
     total = opts.warmup + opts.steps
