@@ -94,7 +94,10 @@ class GraphedDecoder:
     ) -> torch.Tensor:
         """The prompt, eagerly, into the static cache; the last position's logits."""
         logits = hf.last_logits(self.model, ids, mask, positions, self.cache)
-        self._buffers(ids, logits.dtype if logits.is_floating_point() else torch.float32)
+        # The additive mask meets the attention scores: the model's dtype, not the logits'
+        # (which some models upcast to fp32).
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        self._buffers(ids, dtype or torch.float32)
         return logits
 
     def decode(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:

@@ -39,7 +39,8 @@ __all__ = [
 _REDUCE_BUCKET = 500_000_000  # ZeroConfig.reduce_bucket_size default (elements)
 _PREFETCH_BUCKET = 50_000_000  # ZeroConfig.stage3_prefetch_bucket_size default
 _PREFETCH_UNITS = 8  # ZeRO-3 looks this many units ahead (slipstream.zero.stage3)
-_STAGING = 3  # gradient staging buckets alive at once (slipstream.zero.reducer.MAX_IN_FLIGHT + 1)
+_IN_FLIGHT = 2  # gradient buckets reducing at once (slipstream.zero.reducer.MAX_IN_FLIGHT)
+_STAGING = _IN_FLIGHT + 1  # gradient staging buckets alive at once
 
 
 @dataclass(frozen=True)
@@ -237,18 +238,26 @@ def _comm_buffers(model: ModelSpec, layout: Layout, numel: int, scratch: bool) -
     s, b, h = model.seq, layout.micro_batch, model.hidden
     a = layout.param_bytes
     total = 0
-    in_flight = _STAGING + (_STAGING - 1 if scratch else 0)
     if layout.dp > 1 and layout.zero_stage == 2:
-        total += min(in_flight * _REDUCE_BUCKET, numel * (2 if scratch else 1)) * layout.grad_bytes
+        total += _grad_staging(_REDUCE_BUCKET, numel, layout.grad_bytes, scratch)
     if layout.zero_stage == 3:
         layer = model.params_per_layer() // layout.tp
         prefetch = min(_PREFETCH_BUCKET, _PREFETCH_UNITS * layer, numel)
         total += (layer + prefetch) * a
         if layout.dp > 1:
-            total += min(in_flight * layer, numel * (2 if scratch else 1)) * layout.grad_bytes
+            total += _grad_staging(layer, numel, layout.grad_bytes, scratch)
     if layout.pp > 1:
         total += 4 * a * s * b * h * layout.virtual_stages
     return total
+
+
+def _grad_staging(bucket: int, numel: int, grad_bytes: int, scratch: bool) -> int:
+    """Bytes of gradient buckets of ``bucket`` elements staged for reduction: up to
+    ``_STAGING`` at once, plus with ``scratch`` a scratch copy of each of the ``_IN_FLIGHT``
+    reducing ones; never more than the stage's gradients once (twice with the copies)."""
+    buckets = _STAGING + (_IN_FLIGHT if scratch else 0)
+    copies = 2 if scratch else 1
+    return min(buckets * bucket, copies * numel) * grad_bytes
 
 
 def _stage_memory(model: ModelSpec, layout: Layout, stage: str, scratch: bool) -> MemoryBreakdown:
