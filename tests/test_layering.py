@@ -27,6 +27,7 @@ FLOORS: list[set[str]] = [
     {"models", "checkpoint"},
     {"runtime"},
     {"quant", "vision", "diffusion", "recsys", "science"},
+    {"compression"},  # DeepSpeed's compression library: quantization-aware training on quant
     {"inference", "planner"},  # inference runs quantized models; the planner reads quant too
     {"rlhf", "multimodal"},  # RLHF generates with the inference engine and trains with runtime
     # DeepSpeed's import paths, each a thin re-export of the units above.
