@@ -19,5 +19,5 @@ def test_get_and_set_by_dotted_name() -> None:
 
 
 def test_missing_part_is_named() -> None:
-    with pytest.raises(AttributeError, match="'nope'.*'1.nope'"):
+    with pytest.raises(AttributeError, match=r"'nope'.*'1\.nope'"):
         recursive_getattr(nn.Sequential(nn.Linear(2, 2), nn.Sequential()), "1.nope")
