@@ -61,6 +61,7 @@ __all__ = [
     "is_partitioned_model",
     "materialize_",
     "partition_meta_",
+    "partition_ordinary_",
     "partition_pending",
     "set_data_",
     "unpartition_",
@@ -406,6 +407,33 @@ def partition_meta_(model: nn.Module) -> int:
     rng = _agreed_rng([model], rng)
     with _replayed_rng(rng):
         return max(peak, _partition_root(model, InitShards()))
+
+
+@torch.no_grad()
+def partition_ordinary_(model: nn.Module) -> list[str]:
+    """Partition, as ``zero.Init`` would have, the ordinary parameters of a model that is
+    partly partitioned by it; ``initialize`` at ZeRO-3 calls this (DeepSpeed's engine does the
+    same to the parameters its ``zero.Init`` did not make).
+
+    Such parameters are made after the model was built: a head added after
+    ``from_pretrained`` (DeepSpeed-Chat's reward ``v_head``), or the embedding (and untied
+    ``lm_head``) that ``resize_token_embeddings`` rebuilds as plain modules. Their values must
+    already be equal on every rank (``initialize`` broadcasts them from rank 0) and in the
+    training dtype; each rank keeps its slice, as for a ``zero.Init`` parameter, and ZeRO-3
+    re-lays the slices into its buckets. A model with no ``zero.Init`` parameter is left alone.
+    Returns the names of the parameters partitioned here.
+    """
+    named = list(model.named_parameters())
+    if not any(init_owner(p) is not None for _, p in named):
+        return []
+    shards = InitShards()
+    done = []
+    for name, p in named:  # unique parameters (a tied one once), the same order on every rank
+        if init_owner(p) is not None or p.is_meta:
+            continue
+        shards.keep_shard_(p, p.data)
+        done.append(name)
+    return done
 
 
 def _partition_root(root: nn.Module, shards: InitShards) -> int:

@@ -21,7 +21,7 @@ from slipstream.distributed import comm
 from slipstream.distributed.topology import NodeTopology, build_node_topology
 from slipstream.precision import PrecisionPolicy
 from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
-from slipstream.zero.init import is_partitioned_model, unpartition_
+from slipstream.zero.init import is_partitioned_model, partition_ordinary_, unpartition_
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param import is_zero_param
 from slipstream.zero.policies import Stage3Options, StepPolicy, ZeroPPWeights
@@ -140,6 +140,11 @@ def _shard_units(
             cfg.zero_hpz_partition_size if cfg.zero_hpz_partition_size > 1 else None
         )
     _broadcast_from_dp0(model, [], dp_group)
+    late = partition_ordinary_(model)  # made outside zero.Init after the rest was
+    if late:
+        log_rank0(
+            "ZeRO-3: partitioned %d parameters made outside zero.Init: %s", len(late), late[:8]
+        )
     store = shard_params_(model, groups, names, dp_group, _stage3_options(cfg, topology), device)
     return _Layout(store.buckets, store, store, _two_hop(cfg, topology, dp_group))
 
