@@ -60,9 +60,6 @@ REDIRECTS: dict[str, str] = {
     "deepspeed.runtime.pipe.module": "slipstream.pipe",
     "deepspeed.runtime.pipe.engine": "slipstream.pipe",
     "deepspeed.checkpoint.utils": "slipstream.utils.torch_save",
-    # `accelerate launch --use_deepspeed` reads DEEPSPEED_ENVIRONMENT_NAME from here.
-    "deepspeed.launcher": "slipstream.cli",
-    "deepspeed.launcher.runner": "slipstream.cli.launcher",
 }
 """DeepSpeed module paths whose names slipstream keeps in another module."""
 

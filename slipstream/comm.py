@@ -32,6 +32,7 @@ from slipstream.distributed.comm import (
 
 __all__ = [
     "ReduceOp",
+    "TorchBackend",
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
@@ -131,3 +132,56 @@ def _configure_comms_logger(config: Any) -> None:
     _comm.comm_counters.verbose = block.verbose
     if not block.prof_all:
         _comm.comm_counters.prof_ops = set(block.prof_ops)
+
+
+class TorchBackend:
+    """``deepspeed.comm.TorchBackend``: DeepSpeed's thin wrapper of ``torch.distributed``.
+
+    Here it hands out slipstream's comm layer, so what a script runs through it is labelled
+    and counted like every other collective. Constructing one initializes the default process
+    group (as DeepSpeed's does) unless it already exists.
+    """
+
+    def __init__(
+        self,
+        backend: str | None,
+        timeout: timedelta | None,
+        init_method: str | None,
+        rank: int = -1,
+        world_size: int = -1,
+        name: str = "torch",
+    ) -> None:
+        init_distributed(
+            dist_backend=backend,
+            timeout=timeout,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+        )
+        self.name = name
+        self.initialized = True
+
+    @classmethod
+    def get_all_gather_function(cls) -> Any:
+        """The into-tensor all-gather, called ``f(output, input, group=None, async_op=False)``."""
+        return all_gather_into_tensor
+
+    @classmethod
+    def get_reduce_scatter_function(cls) -> Any:
+        """The tensor reduce-scatter, called ``f(output, input, op=..., group=None, ...)``."""
+        return reduce_scatter_tensor
+
+    def has_all_gather_into_tensor(self) -> bool:
+        return True
+
+    def has_reduce_scatter_tensor(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return is_initialized()
+
+    def get_rank(self, group: Any = None) -> int:
+        return get_rank(group)
+
+    def get_world_size(self, group: Any = None) -> int:
+        return get_world_size(group)

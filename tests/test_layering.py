@@ -34,6 +34,7 @@ FLOORS: list[set[str]] = [
     {"comm", "pipe", "checkpointing", "utils", "ops"},
     {""},  # slipstream/__init__.py, the public facade
     {"cli"},
+    {"launcher"},  # deepspeed.launcher.runner: the `deepspeed` command on `slipstream run`
 ]
 FLOOR_OF = {unit: i for i, floor in enumerate(FLOORS) for unit in floor}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import logging
 import math
 import os
 import shlex
@@ -338,6 +339,8 @@ def _split(text: str) -> list[str]:
 
 
 def _say(msg: str) -> None:
+    if not logging.getLogger("slipstream").isEnabledFor(logging.INFO):
+        return  # SLIPSTREAM_LOG_LEVEL=WARNING, or `deepspeed --log_level warning` / -q
     print(f"[slipstream run] {msg}", file=sys.stderr, flush=True)
 
 

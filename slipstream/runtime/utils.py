@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import gc
 import random
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from slipstream._logging import log_rank0
 from slipstream.accelerator import get_accelerator
 
-__all__ = ["see_memory_usage", "set_random_seed"]
+__all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
 
 _GIB = 1024**3
 
@@ -54,3 +56,28 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         host,
     )
     acc.reset_peak_memory_stats()
+
+
+def move_to_device(
+    item: Any, device: torch.device | str, criterion_func: Callable[[Any], bool] | None = None
+) -> Any:
+    """``item`` with its tensors on ``device``: a tensor, or lists, tuples and dicts of them
+    (nested), rebuilt with moved tensors (DeepSpeed's ``runtime.utils.move_to_device``).
+
+    An item for which ``criterion_func`` returns true is moved *in place* (its ``.data``
+    replaced, so the object and references to it stay); any other tensor is moved with
+    ``.to(device)``, as in DeepSpeed. Leaves that are not tensors are returned unchanged
+    (DeepSpeed calls ``.to`` on them and fails).
+    """
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    if isinstance(item, torch.Tensor):
+        return item.to(device)
+    return item
