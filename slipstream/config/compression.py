@@ -358,7 +358,12 @@ class LayerReductionConfig(StrictModel):
 # Techniques or options slipstream parses but does not build, with the reason: refused when
 # enabled, never dropped. The key is the dotted path under compression_training.
 NOT_BUILT: dict[str, str] = {
-    "weight_quantization": "weight quantization is not built yet",
+    "weight_quantization.shared_parameters.quantize_weight_in_forward": (
+        "it selects DeepSpeed's MoQ, which quantizes the fp16 optimizer's weights inside "
+        "its step (start_bits stepping down to target_bits every quantization_period); "
+        "slipstream builds the forward mode: set it to true (quantized forward, "
+        "straight-through gradients, target_bits from schedule_offset on)"
+    ),
     "activation_quantization": "activation quantization is not built yet",
     "layer_reduction": "layer reduction is not built yet",
     "sparse_pruning": "sparse pruning is not built yet",
@@ -366,6 +371,18 @@ NOT_BUILT: dict[str, str] = {
     "head_pruning": "head pruning is not built yet",
     "channel_pruning": "channel pruning is not built yet",
 }
+
+
+def _refused(cfg: CompressionConfig) -> list[str]:
+    """The dotted keys of ``cfg`` that ask for something in ``NOT_BUILT``."""
+    on = {k for k, t in cfg.techniques().items() if t.enabled}
+    if cfg.layer_reduction.enabled:
+        on.add("layer_reduction")
+    keys = sorted(on & set(NOT_BUILT))
+    wq = cfg.weight_quantization
+    if wq.enabled and not wq.shared_parameters.quantize_weight_in_forward:
+        keys.append("weight_quantization.shared_parameters.quantize_weight_in_forward")
+    return keys
 
 
 class CompressionConfig(StrictModel):
@@ -408,17 +425,15 @@ class CompressionConfig(StrictModel):
 
     @model_validator(mode="after")
     def _refuse_unbuilt(self) -> CompressionConfig:
-        on = {k for k, t in self.techniques().items() if t.enabled}
-        if self.layer_reduction.enabled:
-            on.add("layer_reduction")
         refused = [
-            f"config key 'compression_training.{k}' is enabled but cannot be honoured: "
-            + NOT_BUILT[k]
-            for k in sorted(on & set(NOT_BUILT))
+            f"config key 'compression_training.{k}' "
+            + ("= false" if k.endswith("in_forward") else "is enabled but")
+            + f" cannot be honoured: {NOT_BUILT[k]}"
+            for k in _refused(self)
         ]
         if refused:
             raise ConfigError(
-                "; ".join(refused) + ". Set 'enabled' to false there (docs/compression.md "
-                "lists what slipstream's compression library builds, and why the rest is refused)"
+                "; ".join(refused) + " (docs/compression.md lists what slipstream's "
+                "compression library builds, and why the rest is refused)"
             )
         return self

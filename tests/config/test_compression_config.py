@@ -102,8 +102,8 @@ def test_unbuilt_techniques_are_refused_by_name(key: str) -> None:
     groups = {"g": {"params": {"dense_ratio": 0.5}, "modules": ["fc"]}}
     shared: dict[str, Any] = {"enabled": True}
     block: dict[str, Any] = {"shared_parameters": shared, "different_groups": groups}
-    if key == "weight_quantization":
-        block = _wq()[key]
+    if key.startswith("weight_quantization"):
+        block = _wq(quantize_weight_in_forward=False)["weight_quantization"]
     elif key == "activation_quantization":
         block["different_groups"] = {"g": {"params": {"bits": 8}, "modules": ["fc"]}}
     elif key == "head_pruning":
