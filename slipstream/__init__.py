@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipstream import accelerator, checkpointing, comm, ops, pipe, rlhf, utils, zero
+from slipstream import accelerator, checkpointing, comm, compression, ops, pipe, rlhf, utils, zero
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import init_distributed
 from slipstream.config import ConfigError, SlipstreamConfig
@@ -51,6 +51,7 @@ __all__ = [
     "add_config_arguments",
     "checkpointing",
     "comm",
+    "compression",
     "get_accelerator",
     "init_distributed",
     "init_inference",

@@ -109,6 +109,10 @@ def validate_model(model_cls: type[StrictModel], data: Any, where: str) -> Any:
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
+            raised = err.get("ctx", {}).get("error")
+            if isinstance(raised, ConfigError):  # a validator's own message names its key
+                lines.append(str(raised))
+                continue
             loc = ".".join(str(p) for p in err["loc"])
             path = f"{where}.{loc}" if where and loc else (where or loc)
             value = err.get("input")

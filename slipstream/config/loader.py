@@ -257,6 +257,7 @@ _BLOCKS_WITHOUT_ENABLED = frozenset(
         "aio",
         "compile",
         "timers",
+        "sparse_attention",
     }
 )
 

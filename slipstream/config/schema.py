@@ -8,6 +8,7 @@ from pydantic import Field
 
 from slipstream.config._base import StrictModel
 from slipstream.config.autotuning import AutotuningConfig
+from slipstream.config.compression import CompressionConfig
 from slipstream.config.hybrid import HybridEngineConfig
 from slipstream.config.monitor import (
     CometConfig,
@@ -101,11 +102,10 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "compile": "DeepCompile options are not implemented yet",
     "aio": "the aio block (NVMe I/O tuning) is not supported; offload_optimizer.nvme_path works without it",
     "elasticity": "elastic training is not implemented yet",
-    "compression_training": "compression training is not implemented yet",
     "data_efficiency": "data efficiency is not implemented yet",
     "curriculum_learning": "curriculum learning is not implemented yet",
     "progressive_layer_drop": "progressive layer drop is not implemented yet",
-    "sparse_attention": "sparse attention is not implemented yet",
+    "sparse_attention": "DeepSpeed's block-sparse attention (Triton kernels read by the model code through deepspeed.ops.sparse_attention) is not implemented; use dense attention (torch scaled_dot_product_attention), or slipstream.sequence (Ulysses, LSS) for long sequences",
     "eigenvalue": "eigenvalue computation is not implemented yet",
     "quantize_training": "quantization-aware training is not implemented yet",
     "timers": "timer options are not implemented yet; use wall_clock_breakdown",
@@ -204,6 +204,9 @@ class SlipstreamConfig(StrictModel):
         default_factory=ActivationCheckpointingConfig
     )
     """Options of ``slipstream.checkpointing`` (activation recomputation)."""
+    compression_training: CompressionConfig = Field(default_factory=CompressionConfig)
+    """DeepSpeed's compression library (``deepspeed.compression``, docs/compression.md): the
+    engine turns each technique on at its ``schedule_offset``."""
     managed_gradient_accumulation: bool = True
     """The engine counts micro-steps; false makes every ``step()`` a boundary."""
 

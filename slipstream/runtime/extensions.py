@@ -21,7 +21,7 @@ __all__ = ["EXTENSION_BLOCKS", "apply_engine_extensions", "register_engine_exten
 
 EngineExtension = Callable[["Engine"], Any]
 
-EXTENSION_BLOCKS = ("hybrid_engine",)
+EXTENSION_BLOCKS = ("hybrid_engine", "compression_training")
 """Config blocks served by an extension, in the order they are applied."""
 
 _EXTENSIONS: dict[str, EngineExtension] = {}

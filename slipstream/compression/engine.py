@@ -1,0 +1,78 @@
+"""The engine side of ``compression_training``: DeepSpeed's engine owns a compression
+scheduler, checks it before the first forward and steps it after every applied optimizer
+step. The runtime sits below this package, so this registers as an engine extension
+(``slipstream.runtime.extensions``) and follows the engine's step counters from forward
+pre-hooks: the switches a forward sees are exactly those DeepSpeed's scheduler has set by then
+(they only ever turn on, each at a step count).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from slipstream._logging import log_rank0
+from slipstream.compression.helper import recursive_getattr
+from slipstream.compression.layers import CompressedBatchNorm2d, is_compressible
+from slipstream.compression.scheduler import SWITCHES, CompressionScheduler
+from slipstream.runtime.extensions import register_engine_extension
+
+__all__ = ["attach_compression_scheduler_"]
+
+
+def _applied_steps(engine: Any) -> int:
+    return int(engine.global_steps) - int(engine.skipped_steps)
+
+
+def _catch_up(engine: Any, scheduler: CompressionScheduler) -> None:
+    while scheduler.training_steps < _applied_steps(engine):
+        scheduler.step()
+
+
+def _warn_unprepared(module: nn.Module, scheduler: CompressionScheduler) -> None:
+    """An enabled technique whose modules were never prepared would train uncompressed."""
+    for key, tech in scheduler.config.techniques().items():
+        if not tech.enabled:
+            continue
+        names = scheduler._modules[key]
+        prepared = [
+            n
+            for n in names
+            if hasattr(recursive_getattr(module, n), SWITCHES[key])
+            and not isinstance(recursive_getattr(module, n), CompressedBatchNorm2d)
+        ]
+        if not prepared:
+            log_rank0(
+                f"compression_training.{key} is enabled but no module of this engine's model "
+                "is prepared for it (matched: %d): call deepspeed.compression.compress."
+                "init_compression(model, config) before deepspeed.initialize, or this model "
+                "trains uncompressed (as a DeepSpeed teacher engine does)",
+                len([n for n in names if is_compressible(recursive_getattr(module, n))]),
+                level=logging.WARNING,
+            )
+
+
+def attach_compression_scheduler_(engine: Any) -> CompressionScheduler:
+    """Give ``engine`` DeepSpeed's ``compression_scheduler`` and drive it from the engine's
+    applied-step count: a step-zero check on the engine's first forwards, one scheduler step
+    per applied optimizer step (caught up before any forward of the engine or its module)."""
+    scheduler = CompressionScheduler(engine.module, engine.config.compression_training)
+    object.__setattr__(engine, "compression_scheduler", scheduler)
+    _warn_unprepared(engine.module, scheduler)
+
+    def before_engine_forward(_mod: nn.Module, _args: Any) -> None:
+        if engine.global_steps == 0:
+            scheduler.step(step_zero_check=True)
+        _catch_up(engine, scheduler)
+
+    def before_module_forward(_mod: nn.Module, _args: Any) -> None:
+        _catch_up(engine, scheduler)
+
+    engine.register_forward_pre_hook(before_engine_forward)
+    engine.module.register_forward_pre_hook(before_module_forward)
+    return scheduler
+
+
+register_engine_extension("compression_training", attach_compression_scheduler_)

@@ -1,0 +1,59 @@
+"""The engine turns compression on at DeepSpeed's steps: its losses equal a plain PyTorch loop
+that drives the scheduler by hand, and DeepSpeed's own engine (a release that still ships the
+compression library: 0.19.8 removed it, so that test needs e.g. 0.19.6 on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.compression import _engine_workloads as w
+from tests.compression import _models as m
+from tests.distributed.harness import run_world
+
+CONFIGS = {
+    "weight_offset2": m.ds_config(weight_quantization=m.weight_quantization(offset=2)),
+}
+
+
+def _has_deepspeed_compression() -> bool:
+    try:
+        return importlib.util.find_spec("deepspeed.compression.compress") is not None
+    except ImportError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def ours() -> dict[str, dict]:
+    got = run_world(w.slipstream_runs, 1, list(CONFIGS.values()), timeout_s=300)[0]
+    return dict(zip(CONFIGS, got, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_engine_matches_the_hand_driven_schedule(ours: dict[str, dict], name: str) -> None:
+    ref = w.reference_run(CONFIGS[name])
+    assert ours[name]["losses"] == pytest.approx(ref, rel=1e-6, abs=1e-7)
+
+
+def test_quantization_starts_exactly_at_the_offset(ours: dict[str, dict]) -> None:
+    """Offset 2: the first two steps train the float model, the third is quantized."""
+    plain = w.reference_run(m.ds_config())
+    got = ours["weight_offset2"]["losses"]
+    assert got[:2] == pytest.approx(plain[:2], rel=1e-6)
+    assert abs(got[2] - plain[2]) > 1e-4
+
+
+@pytest.mark.skipif(
+    not _has_deepspeed_compression(),
+    reason="needs DeepSpeed's compression library (removed in 0.19.8; 0.19.6 has it)",
+)
+def test_engine_matches_deepspeed(ours: dict[str, dict]) -> None:
+    """Same losses, eval logits and cleaned weights as DeepSpeed's engine (fp32 CPU)."""
+    theirs = run_world(w.deepspeed_runs, 1, list(CONFIGS.values()), timeout_s=300)[0]
+    for name, got in zip(CONFIGS, theirs, strict=True):
+        assert ours[name]["losses"] == pytest.approx(got["losses"], rel=1e-6, abs=1e-7), name
+        torch.testing.assert_close(ours[name]["eval"], got["eval"], rtol=1e-6, atol=1e-6)
+        for key, value in got["state"].items():
+            torch.testing.assert_close(ours[name]["state"][key], value, rtol=1e-6, atol=1e-6)
