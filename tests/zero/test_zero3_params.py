@@ -81,3 +81,15 @@ def test_a_parameter_partitioned_by_another_zero3_is_a_clear_error(results):
     for r in results:
         assert "'0.weight'" in r["foreign"]
         assert "partitioned by another ZeRO-3 implementation" in r["foreign"]
+
+
+def test_weights_read_inside_gathered_parameters_survive_the_block(results):
+    """Issue 38: .numpy() (which pins the storage), memoryview, torch.from_numpy, .tolist(),
+    a held state_dict() and a cloned one, taken inside GatheredParameters: no crash at the
+    block's exit, each keeps the gathered values after it, and training gathers on."""
+    for r in results:
+        got = r["read_inside"]
+        for how, values in got["kept"].items():
+            for name, want in got["want"].items():
+                torch.testing.assert_close(values[name], want, rtol=0, atol=1e-6, msg=how)
+        assert any(got["changed"].values())  # the next step changed the gathered weights
