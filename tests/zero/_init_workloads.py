@@ -268,6 +268,34 @@ def read_inside_gathered() -> dict[str, Any]:
     }
 
 
+def persistent_status() -> dict[str, Any]:
+    """Issue 38: parameters of a unit under the persistence threshold (the root's 32832
+    elements, not a block's 49280) hold their full data and say AVAILABLE (DeepSpeed's
+    status for them), after initialize and after a step; the others are released. Built
+    eagerly and under zero.Init."""
+    out: dict[str, Any] = {}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 40_000}
+    config = {**CONFIG, "zero_optimization": zero}
+    for how in ("eager", "zero.Init"):
+        torch.manual_seed(0)
+        if how == "eager":
+            model = GPT(GPTConfig.preset("tiny"))
+        else:
+            with slipstream.zero.Init(config_dict_or_path=config):
+                model = GPT(GPTConfig.preset("tiny"))
+        engine, _, _, _ = slipstream.initialize(model=model, config=config)
+        seen = {"init": {n: (p.ds_status, tuple(p.shape), p.ds_numel)
+                         for n, p in engine.module.named_parameters()}}  # fmt: skip
+        x = torch.randint(0, 256, (2, 16))
+        engine.backward(engine(x, x))
+        engine.step()
+        seen["step"] = {n: (p.ds_status, tuple(p.shape), p.ds_numel)
+                        for n, p in engine.module.named_parameters()}  # fmt: skip
+        engine.destroy()
+        out[how] = seen
+    return out
+
+
 def foreign_parameter() -> str:
     """A model holding a parameter partitioned by another ZeRO-3 (DeepSpeed's attributes)."""
     model = nn.Sequential(nn.Embedding(4, 2))
@@ -289,4 +317,5 @@ def all_checks() -> dict[str, Any]:
         "released": released_access(),
         "foreign": foreign_parameter(),
         "read_inside": read_inside_gathered(),
+        "persistent": persistent_status(),
     }
