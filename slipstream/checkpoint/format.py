@@ -53,11 +53,13 @@ __all__ = [
     "write_pieces",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the manifest must carry its digest. 1: written before the digest was required (most
+version-1 manifests have it and are checked; one without it loads unchecked)."""
+_READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest_sha256"
-"""The manifest's key for the SHA-256 of the rest of it (absent in checkpoints written before
-it was added: those load unchecked)."""
+"""The manifest's key for the SHA-256 of the rest of it."""
 _REQUIRED = ("tensors", "pieces", "files")
 
 _DTYPES = {
@@ -172,11 +174,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{path} is damaged: it holds a {type(manifest).__name__}, not an object"
         )
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise CheckpointError(
-            f"{path} has format_version {version!r}; this slipstream reads version {FORMAT_VERSION}"
+            f"{path} has format_version {version!r}; this slipstream reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}"
         )
     want = manifest.get(MANIFEST_DIGEST)
+    if want is None and version != 1:
+        raise CheckpointError(
+            f"{path} was edited or damaged after it was written: it has no {MANIFEST_DIGEST}, "
+            f"which every format_version {version} manifest carries; refusing to load {path.parent}"
+        )
     if want is not None and want != _manifest_sha256(manifest):
         raise CheckpointError(
             f"{path} was edited or damaged after it was written (its content no longer matches "

@@ -3,15 +3,17 @@
 Types are strict, the same way for every key: no string-to-number, number-to-bool or
 bool-to-number conversion (DeepSpeed's JSON has real booleans and numbers, so a quoted
 ``"2"`` or a ``1`` for a switch is a mistake worth naming). Two conversions remain because
-JSON has a single number type: an integer is accepted where a float is expected (``"lr": 1``)
-and an integral float where an integer is expected (``"reduce_bucket_size": 5e8``).
+JSON has a single number type: an integer is accepted where a float is expected (``"lr": 1``),
+and an integral float where an element or byte count is expected, the keys a model lists in
+``e_notation`` (``"reduce_bucket_size": 5e8``, as DeepSpeed's own configs write them). Any
+other integer key refuses a float, integral or not (``"stage": 2.0``).
 """
 
 from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -47,15 +49,23 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, populate_by_name=True, strict=True
     )
+    e_notation: ClassVar[frozenset[str]] = frozenset()
+    """Integer fields (element or byte counts) that accept an integral float such as 5e8."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _json_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        """Integral floats become ints for integer fields; booleans-only literals get bools."""
+        """Integral floats become ints for the ``e_notation`` integer fields; booleans-only
+        literals get bools."""
         field = cls.model_fields.get(info.field_name or "")
         if field is None:
             return value
-        if isinstance(value, float) and value.is_integer() and _wants_int(field.annotation):
+        if (
+            isinstance(value, float)
+            and value.is_integer()
+            and info.field_name in cls.e_notation
+            and _wants_int(field.annotation)
+        ):
             return int(value)
         if _bool_literal(field.annotation) and not isinstance(value, bool):
             raise PydanticCustomError("bool_type", "Input should be a valid boolean")

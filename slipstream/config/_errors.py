@@ -87,6 +87,8 @@ def _fix(value: object, expected: str) -> str:
         return "; true/false is not a number"
     if isinstance(value, int | float) and expected == "true or false":
         return "; write true or false, not a number"
+    if isinstance(value, float) and value.is_integer() and expected == "an integer":
+        return f"; write {int(value)}, without a decimal point or exponent"
     return ""
 
 

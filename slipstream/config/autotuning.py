@@ -30,6 +30,8 @@ class ModelInfoConfig(StrictModel):
     and step time. DeepSpeed's keys (``num_params``, ``hidden_size``, ``num_layers``) and the
     ones the planner also needs, named as in Hugging Face configs."""
 
+    e_notation = frozenset({"num_params"})
+
     profile: Literal[False] = False
     """DeepSpeed profiles the model in a first run when true; slipstream's tuner needs the
     shape given here instead (a profiling run is not implemented)."""

@@ -325,14 +325,10 @@ def _batch_value(raw: dict[str, Any], key: str) -> int | None:
     value = raw.pop(key, None)
     if value is None or is_auto(value):
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or int(value) != value
-        or value < 1
-    ):
-        raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer")
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        fix = f" (write {int(value)})" if isinstance(value, float) and value.is_integer() else ""
+        raise ConfigError(f"config key '{key}' = {value!r} must be a positive integer{fix}")
+    return value
 
 
 def parse_config(

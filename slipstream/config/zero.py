@@ -14,6 +14,8 @@ __all__ = ["OffloadConfig", "ZeroConfig"]
 class OffloadConfig(StrictModel):
     """``offload_optimizer`` / ``offload_param``: where states or parameters live."""
 
+    e_notation = frozenset({"buffer_size", "max_in_cpu"})
+
     device: Literal["none", "cpu", "nvme"] = "none"
     """Target device; ``none`` disables offload."""
     nvme_path: str | None = None
@@ -48,6 +50,20 @@ class ZeroConfig(StrictModel):
     reduce-scatters gradients into per-rank partitions during backward; stage 3 also
     partitions the parameters.
     """
+
+    e_notation = frozenset(
+        {
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "sub_group_size",
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_model_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+            "stage3_module_granularity_threshold",
+        }
+    )
 
     stage: int = Field(0, ge=0, le=3)
     """ZeRO stage, 0 to 3."""

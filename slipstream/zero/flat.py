@@ -124,6 +124,16 @@ class Bucket:
         s = self.shard_slice(self.offsets[i] // self.shard_numel)  # where its first element is
         return self.param_slice(i, s.start, s.stop).numel < numel
 
+    def renew_storage(self) -> None:
+        """Point ``flat`` and ``views`` at new, unallocated storage (0 bytes until the next
+        gather), leaving the old storage to whoever still holds a tensor of it: a NumPy array,
+        a ``state_dict()`` entry taken inside ``GatheredParameters`` keeps its values, and the
+        memory goes when the last of them does (as DeepSpeed's released parameters)."""
+        flat = torch.empty(self.numel, dtype=self.flat.dtype, device=self.flat.device)
+        self.views = [flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
+        flat.untyped_storage().resize_(0)
+        self.flat = flat
+
     def grad_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """The 1-D region of a bucket-sized ``buffer`` that belongs to parameter ``i``."""
         return buffer[self.offsets[i] : self.offsets[i] + self.views[i].numel()]

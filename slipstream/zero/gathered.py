@@ -142,7 +142,7 @@ def GatheredParameters(
             unit.active -= 1
             if modifier_rank is not None:
                 _keep_edits(store, unit, modifier_rank)
-            store.release(unit)
+            store.release(unit, hand_off=True)
 
 
 @torch.no_grad()

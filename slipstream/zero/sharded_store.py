@@ -295,7 +295,12 @@ class ShardedStore:
     def _live_numel(self) -> int:
         return sum(self.buckets[b].numel for u in self.units if u.gathered for b in u.buckets)
 
-    def release(self, unit: Unit) -> None:
+    def release(self, unit: Unit, hand_off: bool = False) -> None:
+        """Free ``unit``'s full storage. In place (``resize_(0)``) by default, so tensors
+        autograd saved keep their identity and see the values again at the next gather. With
+        ``hand_off`` (the end of a ``GatheredParameters`` block), or when the storage cannot be
+        resized (a NumPy array pins it), the bucket gets new storage instead and tensors the
+        user took keep the values they had."""
         if not unit.gathered or unit.persistent or unit.active > 0:
             return
         for work in unit.pending:
@@ -308,9 +313,12 @@ class ShardedStore:
                 self.secondary.keep(b, flat)
             for p, empty in zip(self.buckets[b].params, self.empties[b]):
                 release_(p, empty)
-            flat.untyped_storage().resize_(0)
+            if hand_off or not flat.untyped_storage().resizable():
+                self.buckets[b].renew_storage()
+            else:
+                flat.untyped_storage().resize_(0)
         for entry in unit.frozen:
-            entry.free()
+            entry.free(hand_off)
         unit.gathered = False
         unit.bound = False
 

@@ -137,7 +137,9 @@ def _finish(store: ShardedStore, deferred: set[int], model: nn.Module) -> None:
         unit.bound = not deferred.intersection(unit.buckets)
     store.release_all()
     for unit in store.units:
-        if unit.persistent and not unit.bound:
-            unit.gathered = False
+        if unit.persistent:  # gathered for good: AVAILABLE, as DeepSpeed reports them
+            if not unit.bound:
+                unit.gathered = False
+            unit.bound = False
             store.gather(unit)
     store.activate(model)

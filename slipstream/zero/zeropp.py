@@ -68,8 +68,11 @@ class FrozenInt8:
         dequantize_blocks(self.codes, out=self.buf)
         bind_(self.param, self.buf.view(self.param.ds_shape))  # type: ignore[attr-defined]
 
-    def free(self) -> None:
+    def free(self, hand_off: bool = False) -> None:
+        """Drop the dequantized values (see :meth:`ShardedStore.release` for ``hand_off``)."""
         release_(self.param, self.empty)
+        if hand_off or not self.buf.untyped_storage().resizable():
+            self.buf = torch.empty_like(self.buf)
         self.buf.untyped_storage().resize_(0)
 
     def nbytes(self) -> int:

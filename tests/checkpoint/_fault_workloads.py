@@ -148,8 +148,11 @@ def damage(root_: str) -> dict[str, Any]:
     out["edited"] = _load(engine, root, tag="b")
     manifest.write_bytes(b"\xff\xfe" + text.encode()[2:])
     out["damaged"] = _load(engine, root, tag="b")
-    legacy = json.loads(text)
-    del legacy["manifest_sha256"]
+    stripped = json.loads(text)
+    del stripped["manifest_sha256"]
+    manifest.write_text(json.dumps(stripped, indent=1))
+    out["no_digest"] = _load(engine, root, tag="b")
+    legacy = {**stripped, "format_version": 1}  # written before the digest was required
     manifest.write_text(json.dumps(legacy, indent=1))
     out["legacy"] = _load(engine, root, tag="b")
     latest = root / "latest"

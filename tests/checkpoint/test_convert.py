@@ -69,7 +69,12 @@ _PEAK = textwrap.dedent(
 
 def _synthetic_checkpoint(path, layers: int, width: int) -> int:
     """A model-only checkpoint written with the format module (no engine): returns bytes."""
-    from slipstream.checkpoint.format import FORMAT_VERSION, write_object, write_pieces
+    from slipstream.checkpoint.format import (
+        FORMAT_VERSION,
+        write_manifest,
+        write_object,
+        write_pieces,
+    )
 
     path.mkdir()
     tensors, pieces, files = {}, [], {}
@@ -89,7 +94,7 @@ def _synthetic_checkpoint(path, layers: int, width: int) -> int:
         "pieces": pieces,
         "files": files,
     }
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(path / "manifest.json", manifest)
     return layers * width * width * 4
 
 

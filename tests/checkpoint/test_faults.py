@@ -51,7 +51,12 @@ def test_edited_or_damaged_manifest_is_refused_naming_the_file(damaged):
     assert damaged["has_digest"]
     assert "b/manifest.json was edited or damaged after it was written" in damaged["edited"]
     assert "b/manifest.json is damaged (not valid UTF-8 JSON" in damaged["damaged"]
-    assert damaged["legacy"].startswith("loaded b"), "a manifest without digest must load"
+    assert damaged["legacy"].startswith("loaded b"), "a version-1 manifest without digest loads"
+    # Issue 38: deleting the digest of a current manifest does not make it load unchecked.
+    assert (
+        "b/manifest.json was edited or damaged after it was written: it has no "
+        "manifest_sha256" in damaged["no_digest"]
+    )
 
 
 def test_empty_or_wrong_latest_names_the_problem_and_the_tags(damaged):

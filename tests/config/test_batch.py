@@ -148,11 +148,11 @@ def test_batch_value_must_be_positive_integer(key: str, value: Any) -> None:
     _error(config, f"config key '{key}' = {value!r} must be a positive integer")
 
 
-def test_batch_integral_float_accepted() -> None:
-    """An integral float (JSON ``64.0`` or ``6.4e1``) is accepted as an int."""
-    cfg = parse_config({"train_batch_size": 6.4e1, "train_micro_batch_size_per_gpu": 8.0})
-    assert cfg.batch == (64, 8, 8)
-    assert all(isinstance(v, int) for v in cfg.batch)
+def test_batch_integral_float_refused() -> None:
+    """Issue 38: an integral float (JSON ``64.0`` or ``6.4e1``) is refused with the fix, as
+    every integer key that is not an element count (no coercion)."""
+    _error({"train_batch_size": 6.4e1, "train_micro_batch_size_per_gpu": 8},
+           "config key 'train_batch_size' = 64.0 must be a positive integer (write 64)")  # fmt: skip
 
 
 def test_resolve_batch_sizes_function() -> None:

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from slipstream.config import ConfigError, parse_config
+from slipstream.config._base import StrictModel, _nested_model, _wants_int
+from slipstream.config.schema import SlipstreamConfig
 from slipstream.optim import build_optimizer, build_scheduler
-from tests.config._helpers import _cfg, _error, _nested
+from tests.config._helpers import BATCH_KEYS, _cfg, _error, _nested
 
 INT, NUMBER, BOOL = "expected an integer", "expected a number", "expected true or false"
 
@@ -66,17 +68,67 @@ def test_wrong_type_is_rejected_naming_key_value_and_type(
         ("gradient_clipping", 1, 1.0),  # JSON has one number type: an int is a float
         ("fp16.loss_scale", 128, 128.0),
         ("zero_optimization.reduce_bucket_size", 5e8, 500_000_000),  # DeepSpeed's 5e8 style
-        ("zero_optimization.stage", 2.0, 2),
-        ("checkpoint.keep_last", 3.0, 3),
+        ("zero_optimization.stage3_max_reuse_distance", 1e9, 1_000_000_000),
+        ("autotuning.model_info.num_params", 1.3e9, 1_300_000_000),
         ("tensor_parallel.tp_overlap_comm", False, False),
     ],
 )
 def test_json_number_forms_are_accepted(dotted: str, value: Any, parsed: Any) -> None:
-    """Ints stand for floats and integral floats for ints, with the field's own type after."""
+    """Ints stand for floats, and integral floats for element counts (DeepSpeed's 5e8 style),
+    with the field's own type after."""
     cfg: Any = parse_config(_cfg(**_nested(dotted, value)))
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     assert cfg == parsed and type(cfg) is type(parsed)
+
+
+def _integer_keys(model: type[StrictModel], where: str = "") -> list[tuple[str, bool]]:
+    """Every integer key under ``model`` (dotted field names; the aliases are DeepSpeed's
+    short forms) and whether it is an element count that takes DeepSpeed's 5e8 style."""
+    keys = []
+    for name, field in model.model_fields.items():
+        key = f"{where}{name}"
+        nested = _nested_model(field.annotation)
+        if nested is not None:
+            keys += _integer_keys(nested, key + ".")
+        elif _wants_int(field.annotation):
+            keys.append((key, name in model.e_notation))
+    return keys
+
+
+_INTEGER_KEYS = _integer_keys(SlipstreamConfig)
+
+
+def test_every_integer_key_is_covered() -> None:
+    """The walk below finds the schema's integer keys, batch sizes and ZeRO's included."""
+    keys = dict(_INTEGER_KEYS)
+    assert keys["zero_optimization.stage"] is False and keys["checkpoint.keep_last"] is False
+    assert keys["zero_optimization.reduce_bucket_size"] is True and len(keys) > 40
+
+
+@pytest.mark.parametrize("dotted", [k for k, e in _INTEGER_KEYS if not e] + list(BATCH_KEYS))
+def test_integral_float_for_an_integer_key_is_refused(dotted: str) -> None:
+    """Issue 38: ``"stage": 2.0`` was accepted. No integer key other than an element count
+    takes a float: the error names the key, the value and the fix."""
+    try:
+        parse_config(_cfg(**_nested(dotted, 2)))
+    except ConfigError:  # a key refused with any value (a DeepSpeed feature not supported)
+        _error(_cfg(**_nested(dotted, 2.0)))
+        return
+    msg = _error(_cfg(**_nested(dotted, 2.0)), f"config key '{dotted}' = 2.0")
+    assert "expected an integer" in msg or "must be a positive integer" in msg, msg
+    assert "write 2" in msg, msg
+
+
+@pytest.mark.parametrize("dotted", [k for k, e in _INTEGER_KEYS if e])
+def test_element_counts_take_an_integral_float(dotted: str) -> None:
+    """The element and byte counts DeepSpeed's configs write as 5e8 take an integral float
+    (and still refuse a fractional one)."""
+    cfg: Any = parse_config(_cfg(**_nested(dotted, 2e3)))
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    assert cfg == 2000 and type(cfg) is int
+    _error(_cfg(**_nested(dotted, 2.5)), f"config key '{dotted}' = 2.5", "fractional part")
 
 
 @pytest.mark.parametrize(

@@ -229,6 +229,73 @@ def released_access() -> dict[str, Any]:
     }
 
 
+def read_inside_gathered() -> dict[str, Any]:
+    """Issue 38: the common ways users read weights inside GatheredParameters (``.numpy()``,
+    ``memoryview``, ``torch.from_numpy``, ``.tolist()``, ``.clone()``, a held ``state_dict()``
+    and a cloned one), each kept past the block's exit; then train on and gather again."""
+    torch.manual_seed(0)
+    engine, _, _, _ = slipstream.initialize(model=GPT(GPTConfig.preset("tiny")), config=CONFIG)
+    module = engine.module
+    x = torch.randint(0, 256, (2, 16))
+    engine.backward(engine(x, x))
+    engine.step()
+    params = list(module.named_parameters())
+    with GatheredParameters([p for _, p in params]):
+        want = {n: p.detach().clone() for n, p in params}
+        arrays = {n: p.detach().numpy() for n, p in params}
+        views = {n: memoryview(p.detach().numpy()) for n, p in params}
+        shared = {n: torch.from_numpy(p.detach().numpy()) for n, p in params}
+        lists = {n: p.tolist() for n, p in params}
+        held = module.state_dict()
+        copied = {k: v.clone() for k, v in module.state_dict().items()}
+    kept = {
+        "numpy": {n: torch.from_numpy(a.copy()) for n, a in arrays.items()},
+        "memoryview": {n: torch.tensor(v.tolist()) for n, v in views.items()},
+        "from_numpy": {n: t.clone() for n, t in shared.items()},
+        "tolist": {n: torch.tensor(v) for n, v in lists.items()},
+        "state_dict": {n: held[n].clone() for n in want},
+        "state_dict_clone": {n: copied[n] for n in want},
+    }
+    engine.backward(engine(x, x))  # the units gather and release again after the hand-off
+    engine.step()
+    with GatheredParameters([p for _, p in params], modifier_rank=0):
+        again = {n: p.detach().numpy().copy() for n, p in params}
+    engine.destroy()
+    return {
+        "want": want,
+        "kept": kept,
+        "changed": {n: not (want[n].numpy() == a).all() for n, a in again.items()},
+    }
+
+
+def persistent_status() -> dict[str, Any]:
+    """Issue 38: parameters of a unit under the persistence threshold (the root's 32832
+    elements, not a block's 49280) hold their full data and say AVAILABLE (DeepSpeed's
+    status for them), after initialize and after a step; the others are released. Built
+    eagerly and under zero.Init."""
+    out: dict[str, Any] = {}
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 40_000}
+    config = {**CONFIG, "zero_optimization": zero}
+    for how in ("eager", "zero.Init"):
+        torch.manual_seed(0)
+        if how == "eager":
+            model = GPT(GPTConfig.preset("tiny"))
+        else:
+            with slipstream.zero.Init(config_dict_or_path=config):
+                model = GPT(GPTConfig.preset("tiny"))
+        engine, _, _, _ = slipstream.initialize(model=model, config=config)
+        seen = {"init": {n: (p.ds_status, tuple(p.shape), p.ds_numel)
+                         for n, p in engine.module.named_parameters()}}  # fmt: skip
+        x = torch.randint(0, 256, (2, 16))
+        engine.backward(engine(x, x))
+        engine.step()
+        seen["step"] = {n: (p.ds_status, tuple(p.shape), p.ds_numel)
+                        for n, p in engine.module.named_parameters()}  # fmt: skip
+        engine.destroy()
+        out[how] = seen
+    return out
+
+
 def foreign_parameter() -> str:
     """A model holding a parameter partitioned by another ZeRO-3 (DeepSpeed's attributes)."""
     model = nn.Sequential(nn.Embedding(4, 2))
@@ -249,4 +316,6 @@ def all_checks() -> dict[str, Any]:
         "external": external_parameter(),
         "released": released_access(),
         "foreign": foreign_parameter(),
+        "read_inside": read_inside_gathered(),
+        "persistent": persistent_status(),
     }

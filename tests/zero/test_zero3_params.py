@@ -5,6 +5,8 @@ parameters; released parameters are safe to touch (DeepSpeed's empty tensor + ds
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -81,3 +83,31 @@ def test_a_parameter_partitioned_by_another_zero3_is_a_clear_error(results):
     for r in results:
         assert "'0.weight'" in r["foreign"]
         assert "partitioned by another ZeRO-3 implementation" in r["foreign"]
+
+
+def test_weights_read_inside_gathered_parameters_survive_the_block(results):
+    """Issue 38: .numpy() (which pins the storage), memoryview, torch.from_numpy, .tolist(),
+    a held state_dict() and a cloned one, taken inside GatheredParameters: no crash at the
+    block's exit, each keeps the gathered values after it, and training gathers on."""
+    for r in results:
+        got = r["read_inside"]
+        for how, values in got["kept"].items():
+            for name, want in got["want"].items():
+                torch.testing.assert_close(values[name], want, rtol=0, atol=1e-6, msg=how)
+        assert any(got["changed"].values())  # the next step changed the gathered weights
+
+
+def test_persistent_parameters_are_available(results):
+    """Issue 38: the parameters of a persistent unit (under stage3_param_persistence_threshold:
+    the root's embedding, final norm and head) keep their full data and report AVAILABLE,
+    as in DeepSpeed; the blocks' are released (NOT_AVAILABLE, empty) once initialize
+    returns and after a step, eager or under zero.Init."""
+    for r in results:
+        for how, phases in r["persistent"].items():
+            for phase, params in phases.items():
+                for name, (status, shape, numel) in params.items():
+                    if not name.startswith("layers."):
+                        assert status is AVAILABLE, (how, phase, name)
+                        assert math.prod(shape) == numel > 0, (how, phase, name)
+                    else:
+                        assert status is NOT_AVAILABLE and shape == (0,), (how, phase, name)
