@@ -66,7 +66,6 @@ REDIRECTS: dict[str, str] = {
 _HINTS: dict[str, str] = {
     "deepspeed.runtime.activation_checkpointing": "use deepspeed.checkpointing (the same names)",
     "deepspeed.ops.op_builder": "slipstream compiles no ops; nothing needs building",
-    "deepspeed.moe": "mixture-of-experts layers are not implemented yet",
 }
 
 

@@ -22,7 +22,7 @@ FLOORS: list[set[str]] = [
     {"config", "accelerator"},
     {"distributed"},
     {"precision", "optim", "data", "profiling"},
-    {"parallel", "sequence"},
+    {"parallel", "sequence", "moe"},
     {"zero"},
     {"models", "checkpoint"},
     {"runtime"},

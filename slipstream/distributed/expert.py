@@ -1,0 +1,100 @@
+"""Expert-parallel and expert-data-parallel groups, cut from the data-parallel axis of the mesh.
+
+An MoE layer with ``ep_size`` spreads its experts over ``ep_size`` data-parallel ranks (the
+expert-parallel group, ``ep``); ranks holding the same experts form the expert-data-parallel
+group (``edp``, ``dp / ep_size`` ranks), over which expert gradients are reduced. Both are
+sub-meshes of the one device mesh: its data-parallel ranks (replicate x shard) are unflattened
+into ``(edp, ep)`` (consecutive ranks share an expert-parallel group, DeepSpeed's default) or
+``(ep, edp)`` (``data_before_expert``), so no group is made outside the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from slipstream.distributed import comm
+from slipstream.distributed.mesh import ParallelDims, build_mesh
+
+__all__ = ["ExpertGroups", "expert_groups"]
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The groups of one ``ep_size``.
+
+    Attributes:
+        ep_size: ranks in an expert-parallel group.
+        ep_group: this rank's expert-parallel group (token all-to-all).
+        edp_group: this rank's expert-data-parallel group (expert gradient reduction).
+        dp_size: ranks in the whole data-parallel group (expert gradients are averaged by it).
+    """
+
+    ep_size: int
+    ep_group: comm.Group
+    edp_group: comm.Group
+    dp_size: int
+
+
+_CACHE: dict[tuple[int, int, bool], ExpertGroups] = {}
+_WORLD_MESH: list[DeviceMesh] = []
+
+
+def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    if mesh["sp"].size() > 1 or mesh["tp"].size() > 1:
+        raise ValueError(
+            f"expert parallelism with sequence parallelism (sp={mesh['sp'].size()}) or tensor "
+            f"parallelism (tp={mesh['tp'].size()}) is not supported: set ep_size to 1 or use "
+            "sp = tp = 1"
+        )
+    if mesh["dp_replicate"].size() == 1:
+        return mesh["dp_shard"]
+    if mesh["dp_shard"].size() == 1:
+        return mesh["dp_replicate"]
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def expert_groups(
+    mesh: DeviceMesh | None, ep_size: int, data_before_expert: bool = False
+) -> ExpertGroups:
+    """The expert-parallel groups of ``ep_size`` over ``mesh``'s data-parallel ranks.
+
+    A collective call on first use for a ``(mesh, ep_size)`` (every rank must make it);
+    cached after. ``mesh=None`` uses a data-parallel mesh over the whole world, and without
+    ``torch.distributed`` initialized both groups are single-process (``None``).
+
+    Raises:
+        ValueError: ``ep_size`` does not divide the data-parallel size, or sp/tp > 1.
+    """
+    if not comm.is_initialized():
+        if ep_size != 1:
+            raise ValueError(
+                f"ep_size={ep_size} needs {ep_size} processes: launch with torchrun / "
+                "`slipstream run --nproc` or set ep_size=1"
+            )
+        return ExpertGroups(1, None, None, 1)
+    if mesh is None:
+        if not _WORLD_MESH:
+            _WORLD_MESH.append(build_mesh(ParallelDims(world_size=comm.get_world_size())))
+        mesh = _WORLD_MESH[0]
+    key = (id(mesh), ep_size, data_before_expert)
+    if key not in _CACHE:
+        dp = _dp_mesh(mesh)
+        dp_size = dp.size()
+        if ep_size < 1 or dp_size % ep_size:
+            raise ValueError(
+                f"ep_size={ep_size} must divide the data-parallel size {dp_size}: choose an "
+                "ep_size that divides the number of data-parallel ranks"
+            )
+        sizes = (
+            (ep_size, dp_size // ep_size) if data_before_expert else (dp_size // ep_size, ep_size)
+        )
+        ep_name, edp_name = f"ep{ep_size}", f"edp{ep_size}"
+        names = (ep_name, edp_name) if data_before_expert else (edp_name, ep_name)
+        sub = dp._unflatten(0, sizes, names)
+        ep_group, edp_group = sub.get_group(ep_name), sub.get_group(edp_name)
+        comm.register_axis(ep_group, "ep")
+        comm.register_axis(edp_group, "edp")
+        _CACHE[key] = ExpertGroups(ep_size, ep_group, edp_group, dp_size)
+    return _CACHE[key]

@@ -1,0 +1,215 @@
+"""Token dispatch and combine: local grouping by expert, all-to-all across expert-parallel ranks.
+
+DeepSpeed-MoE (and GShard before it) scatters every token into a ``[experts, capacity, d]``
+buffer, padded to the capacity, and exchanges that whole buffer with an all-to-all. Here only
+the tokens that are kept travel and get computed:
+
+1. the kept ``(token, choice)`` pairs are stably sorted by expert, so every expert's tokens are
+   one contiguous block (``counts[e]`` rows);
+2. with expert parallelism, the per-expert counts are exchanged first (one small all-to-all),
+   then the tokens with an all-to-all of uneven splits: a rank may send any number of tokens,
+   none included, and no rank waits on a size it did not agree to;
+3. every local expert runs once on its block (also an empty one, so its gradients exist and
+   the gradient reduction sees the same parameters on every rank);
+4. the results travel back by the reverse all-to-all and are summed into their tokens,
+   weighted by the gate, in fp32.
+
+The result equals the capacity-buffer formulation on the same routes (no padding rows are
+computed; rows are independent in an expert), with ``tokens * k`` rows of expert work instead
+of ``experts * capacity``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slipstream.distributed import comm
+from slipstream.moe.gating import Routes
+
+__all__ = ["MOELayer", "RoutingStats", "all_to_all_uneven", "combine", "group_by_expert"]
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    """All-to-all of rows with per-rank split sizes; its gradient is the reverse exchange."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, send: list[int], recv: list[int], group: comm.Group
+    ) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), recv, send, group=group, label="moe_a2a")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return _AllToAllUneven.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all_uneven(x: Tensor, send: list[int], recv: list[int], group: comm.Group) -> Tensor:
+    """Send ``send[r]`` consecutive rows of ``x`` to rank ``r``; receive ``recv[r]`` from it."""
+    out: Tensor = _AllToAllUneven.apply(x, send, recv, group)
+    return out
+
+
+@dataclass
+class RoutingStats:
+    """What a layer's router did in its last forward (for monitors and tests).
+
+    Attributes:
+        tokens_per_expert: ``[experts]`` choices routed to each expert before dropping.
+        kept_per_expert: ``[experts]`` choices each expert computed.
+        dropped_fraction: dropped choices / all choices (0 when dropless).
+        imbalance: busiest expert's routed load over the mean load (1.0 is perfect balance).
+    """
+
+    tokens_per_expert: Tensor
+    kept_per_expert: Tensor
+    dropped_fraction: float
+    imbalance: float
+
+    @staticmethod
+    def of(routed: Tensor, kept: Tensor) -> RoutingStats:
+        total = float(routed.sum())
+        mean = total / max(routed.numel(), 1)
+        return RoutingStats(
+            routed.detach().cpu(),
+            kept.detach().cpu(),
+            1.0 - float(kept.sum()) / total if total else 0.0,
+            float(routed.max()) / mean if mean else 1.0,
+        )
+
+
+@dataclass
+class Grouped:
+    """Kept choices sorted by expert: ``tokens[i]`` goes to expert ``experts[i]``."""
+
+    tokens: Tensor
+    weights: Tensor
+    counts: Tensor
+
+
+def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> Grouped:
+    """Sort the kept ``(token, choice)`` pairs of ``experts [k, s]`` by expert (stable)."""
+    k, s = experts.shape
+    flat = experts.reshape(-1)
+    token = torch.arange(s, device=experts.device).repeat(k)
+    kept = flat >= 0
+    flat, token, w = flat[kept], token[kept], weights.reshape(-1)[kept]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return Grouped(token[order], w[order], counts)
+
+
+def combine(out: Tensor, g: Grouped, num_tokens: int, dtype: torch.dtype) -> Tensor:
+    """Sum each token's expert outputs weighted by the gate (fp32), cast to ``dtype``."""
+    acc = out.new_zeros((num_tokens, out.shape[-1]), dtype=torch.float32)
+    acc.index_add_(0, g.tokens, out.float() * g.weights.unsqueeze(-1))
+    return acc.to(dtype)
+
+
+def _regroup(counts: Tensor) -> Tensor:
+    """Row permutation from ``(source rank, local expert)`` order to ``(local expert, rank)``.
+
+    ``counts [ranks, local_experts]`` holds the rows each rank sent for each local expert.
+    """
+    ranks, local = counts.shape
+    starts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).reshape(ranks, local)
+    seg_starts = starts.t().reshape(-1)
+    seg_lens = counts.t().reshape(-1)
+    base = torch.repeat_interleave(seg_starts, seg_lens)
+    seg_first = torch.cumsum(seg_lens, 0) - seg_lens
+    within = torch.arange(int(seg_lens.sum()), device=counts.device) - torch.repeat_interleave(
+        seg_first, seg_lens
+    )
+    return base + within
+
+
+def run_local_experts(experts: nn.Module, rows: Tensor, counts: list[int]) -> Tensor:
+    """Each local expert on its block of ``rows`` (``counts[i]`` rows for expert ``i``)."""
+    outs = [experts.run(i, block) for i, block in enumerate(rows.split(counts))]  # type: ignore[operator]
+    return torch.cat(outs) if outs else rows
+
+
+def exchange_and_run(
+    experts: nn.Module, rows: Tensor, counts: Tensor, ep_size: int, group: comm.Group
+) -> Tensor:
+    """Send ``rows`` (sorted by global expert, ``counts [experts]``) to the expert owners,
+    run the local experts, and bring the results back in the same row order."""
+    local = counts.numel() // ep_size
+    if ep_size == 1:
+        return run_local_experts(experts, rows, counts.tolist())
+    sent = counts.reshape(ep_size, local)
+    got = torch.empty_like(sent)
+    comm.all_to_all_single(got, sent.contiguous(), group=group, label="moe_counts")
+    send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
+    received = all_to_all_uneven(rows, send, recv, group)
+    perm = _regroup(got)
+    out = run_local_experts(experts, received[perm], got.sum(0).tolist())
+    back = torch.empty_like(out).index_copy(0, perm, out) if out.shape[0] else out
+    return all_to_all_uneven(back, recv, send, group)
+
+
+class MOELayer(nn.Module):
+    """Gate + experts + dispatch (DeepSpeed's ``MOELayer``): ``forward(x)`` returns the output
+    and leaves ``l_aux``, ``exp_counts`` and ``stats`` on the layer.
+
+    Args:
+        gate: a :class:`~slipstream.moe.gating.TopKGate`.
+        experts: the local :class:`~slipstream.moe.experts.Experts`.
+        ep_group_name: name of the expert-parallel group (``"ep_size_<n>"``).
+        ep_size: expert-parallel ranks the experts are spread over.
+        num_local_experts: experts on this rank.
+        use_tutel: accepted for DeepSpeed compatibility; slipstream's dispatch is used.
+    """
+
+    def __init__(
+        self,
+        gate: nn.Module,
+        experts: nn.Module,
+        ep_group_name: str,
+        ep_size: int,
+        num_local_experts: int,
+        use_tutel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.ep_group: comm.Group = None
+        self.ep_size = ep_size
+        self.ep_group_name = ep_group_name
+        self.num_local_experts = num_local_experts
+        self.use_tutel = False
+        self.wall_clock_breakdown = False
+        self.l_aux: Tensor = torch.zeros(())
+        self.exp_counts: Tensor = torch.zeros(0, dtype=torch.long)
+        self.stats: RoutingStats | None = None
+
+    def _set_ep_group(self, ep_group: comm.Group) -> None:
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)  # type: ignore[operator]
+
+    def _check_group(self) -> None:
+        if self.ep_size > 1 and comm.get_world_size(self.ep_group) != self.ep_size:
+            raise RuntimeError(
+                f"this MoE layer has ep_size={self.ep_size} but its expert-parallel group has "
+                f"{comm.get_world_size(self.ep_group)} ranks: apply "
+                "slipstream.moe.expert_parallel_(model, mesh) (slipstream.initialize does) "
+                "before the first forward"
+            )
+
+    def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
+        self._check_group()
+        x = input[0]
+        used_token = input[1] if len(input) > 1 else None
+        flat = x.reshape(-1, x.shape[-1])
+        routes: Routes = self.gate.routes(flat, used_token)  # type: ignore[operator]
+        g = group_by_expert(routes.experts, routes.weights, routes.num_experts)
+        out = exchange_and_run(self.experts, flat[g.tokens], g.counts, self.ep_size, self.ep_group)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        self.stats = RoutingStats.of(routes.exp_counts, g.counts)
+        return combine(out, g, flat.shape[0], x.dtype).reshape(x.shape)

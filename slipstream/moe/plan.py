@@ -1,0 +1,105 @@
+"""The expert-parallel plan: give every MoE layer its groups from the mesh, and reduce
+gradients the way expert parallelism needs.
+
+With ``ep_size`` > 1 a rank holds ``num_experts / ep_size`` experts; every rank of its
+expert-parallel group sends it tokens, so the local backward already sums those ranks'
+contributions to its experts' gradients. Summing further over the expert-data-parallel group
+(the ranks holding the same experts) and dividing by the whole data-parallel size gives the
+gradient of the global-batch mean loss, the same value dense parameters get from their
+average over the data-parallel group (Rajbhandari et al., DeepSpeed-MoE, section 5.2: expert
+parameters are data-parallel over ``dp / ep`` ranks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from slipstream.distributed import comm
+from slipstream.distributed.expert import ExpertGroups, expert_groups
+from slipstream.distributed.mesh import DeviceMesh
+from slipstream.moe.layer import MoE
+from slipstream.moe.utils import is_moe_param, moe_layers
+
+__all__ = ["clip_grad_norm_", "expert_parallel_", "reduce_gradients_"]
+
+
+def expert_parallel_(
+    model: nn.Module, mesh: DeviceMesh | None, data_before_expert: bool = False
+) -> dict[str, ExpertGroups]:
+    """Give each MoE layer of ``model`` its expert-parallel group from ``mesh``, in place.
+
+    Returns the groups by expert group name (``"ep_size_<n>"``). A collective call the first
+    time an ``ep_size`` is seen (every rank must make it, in the same order).
+
+    Raises:
+        ValueError: an ``ep_size`` that does not divide the data-parallel size.
+    """
+    layers = [model] if isinstance(model, MoE) else moe_layers(model)
+    out: dict[str, ExpertGroups] = {}
+    for layer in layers:
+        groups = expert_groups(mesh, layer.ep_size, data_before_expert)
+        layer.set_ep_group(groups.ep_group)
+        out[layer.expert_group_name] = groups
+    return out
+
+
+def reduce_gradients_(
+    model: nn.Module, dp_group: comm.Group, groups: dict[str, ExpertGroups]
+) -> None:
+    """Average gradients for data parallelism with experts (for loops without the engine).
+
+    Dense parameters: all-reduce mean over ``dp_group``. Expert parameters of group name
+    ``n``: all-reduce sum over ``groups[n].edp_group``, divided by the data-parallel size.
+    Communication: one all-reduce per parameter with a gradient.
+    """
+    dp_size = comm.get_world_size(dp_group)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if is_moe_param(p):
+            g = groups[p.group_name]  # type: ignore[attr-defined]
+            if g.edp_group is not None and comm.get_world_size(g.edp_group) > 1:
+                comm.all_reduce(p.grad, group=g.edp_group, label="moe_expert_grads")
+            p.grad.div_(dp_size)
+        elif dp_size > 1:
+            comm.all_reduce(p.grad, group=dp_group, label="moe_dense_grads")
+            p.grad.div_(dp_size)
+
+
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, dp_group: comm.Group, groups: dict[str, ExpertGroups]
+) -> float:
+    """Clip reduced gradients to ``max_norm`` over the true global norm; return that norm.
+
+    Dense gradients are equal on every rank and count once; each expert's gradient lives on
+    the ranks of one expert-parallel coordinate, so the expert part is summed over the
+    expert-parallel group.
+    """
+    dense = torch.zeros((), dtype=torch.float64)
+    expert: dict[str, torch.Tensor] = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if is_moe_param(p):
+            name = p.group_name  # type: ignore[attr-defined]
+            expert[name] = expert.get(name, torch.zeros((), dtype=torch.float64)) + sq
+        else:
+            dense += sq
+    total = dense
+    for name, sq in expert.items():
+        ep_group = groups[name].ep_group
+        if ep_group is not None and comm.get_world_size(ep_group) > 1:
+            sq = sq.reshape(1).clone()
+            comm.all_reduce(sq, group=ep_group, label="moe_grad_norm")
+        total = total + sq.reshape(())
+    norm = math.sqrt(float(total))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

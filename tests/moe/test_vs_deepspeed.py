@@ -1,0 +1,94 @@
+"""slipstream's MoE layer and gating equal DeepSpeed 0.19.8's on the same weights, inputs and
+seeds (skipped when DeepSpeed is not installed): outputs, l_aux, exp_counts and gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from slipstream.moe import MoE
+from slipstream.moe import sharded_moe as ours
+
+CASES: list[dict[str, Any]] = [
+    {"k": 1},
+    {"k": 1, "use_rts": False},
+    {"k": 1, "capacity_factor": 0.5, "min_capacity": 2},
+    {"k": 1, "drop_tokens": False},
+    {"k": 1, "noisy_gate_policy": "RSample"},
+    {"k": 1, "noisy_gate_policy": "Jitter", "capacity_factor": 0.75},
+    {"k": 1, "use_residual": True},
+    {"k": 2},
+    {"k": 2, "top2_2nd_expert_sampling": False, "capacity_factor": 0.5},
+    {"k": 2, "drop_tokens": False},
+    {"k": 3, "capacity_factor": 0.5},
+    {"k": 3, "drop_tokens": False},
+]
+
+
+@pytest.fixture(scope="module")
+def ds_moe() -> Any:
+    pytest.importorskip("deepspeed")
+    from tests.compat._deepspeed import import_deepspeed
+
+    import_deepspeed()
+    import deepspeed.moe.layer
+    import deepspeed.moe.sharded_moe
+
+    return deepspeed.moe
+
+
+def _expert() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+def _run(layer: nn.Module, x: torch.Tensor, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    out, l_aux, counts = layer(x)
+    ((out**2).sum() + l_aux).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return {"out": out.detach(), "l_aux": l_aux.detach(), "counts": counts, "grads": grads}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_layer_equals_deepspeed(ds_moe: Any, case: dict[str, Any]) -> None:
+    """Same output, aux loss, expert counts and gradients as deepspeed.moe.layer.MoE."""
+    torch.manual_seed(0)
+    kwargs = {"num_experts": 4, "min_capacity": 4, **case}
+    theirs = ds_moe.layer.MoE(8, _expert(), **kwargs)
+    mine = MoE(8, _expert(), **kwargs)
+    assert mine.state_dict().keys() == theirs.state_dict().keys()
+    mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 10, 8)
+    a, b = _run(theirs, x, 7), _run(mine, x, 7)
+    torch.testing.assert_close(b["out"], a["out"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b["l_aux"], a["l_aux"], rtol=1e-6, atol=1e-7)
+    assert torch.equal(b["counts"].long(), a["counts"].long())
+    assert b["grads"].keys() == a["grads"].keys()
+    for name in a["grads"]:
+        torch.testing.assert_close(b["grads"][name], a["grads"][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_gating_functions_equal_deepspeed(ds_moe: Any, k: int) -> None:
+    """top1gating/top2gating/topkgating give DeepSpeed's dense combine weights and masks."""
+    sm = ds_moe.sharded_moe
+    logits = torch.randn(24, 6, generator=torch.Generator().manual_seed(k))
+    if k == 1:
+        calls = (
+            lambda m: m.top1gating(logits.clone(), 0.5, 2),
+            lambda m: m.top1gating(logits.clone(), 1.0, 2, noisy_gate_policy="RSample"),
+        )
+    elif k == 2:
+        calls = (lambda m: m.top2gating(logits.clone(), 0.5, 2),)
+    else:
+        calls = (lambda m: m.topkgating(logits.clone(), 3, 0.5, 2),)
+    for call in calls:
+        torch.manual_seed(1)
+        expected = call(sm)
+        torch.manual_seed(1)
+        got = call(ours)
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g.float(), e.float(), rtol=1e-6, atol=1e-7)
