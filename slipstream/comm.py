@@ -37,6 +37,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_to_all_single",
+    "allgather_fn",
     "barrier",
     "broadcast",
     "comm_counters",
@@ -44,10 +45,17 @@ __all__ = [
     "get_local_rank",
     "get_rank",
     "get_world_size",
+    "has_all_gather_into_tensor",
+    "has_reduce_scatter_tensor",
     "init_distributed",
+    "irecv",
     "is_initialized",
+    "isend",
     "log_summary",
+    "recv",
+    "reduce_scatter_fn",
     "reduce_scatter_tensor",
+    "send",
 ]
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -185,3 +193,106 @@ class TorchBackend:
 
     def get_world_size(self, group: Any = None) -> int:
         return get_world_size(group)
+
+
+def allgather_fn(
+    output_tensor: Any,
+    input_tensor: Any,
+    group: Any = None,
+    async_op: bool = False,
+    debug: Any = None,
+) -> Any:
+    """DeepSpeed's ``allgather_fn``: the into-tensor all-gather (``debug`` is ignored, as a
+    label for DeepSpeed's comms logger)."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_fn(
+    output_tensor: Any,
+    tensor: Any,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    debug: Any = None,
+) -> Any:
+    """DeepSpeed's ``reduce_scatter_fn``: the tensor reduce-scatter."""
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def has_all_gather_into_tensor() -> bool:
+    """Always true: slipstream's torch has ``all_gather_into_tensor``."""
+    return True
+
+
+def has_reduce_scatter_tensor() -> bool:
+    """Always true: slipstream's torch has ``reduce_scatter_tensor``."""
+    return True
+
+
+def _pt2pt_checks(op: str, peer: int | None, tag: int) -> int:
+    if tag != 0:
+        raise ValueError(
+            f"deepspeed.comm.{op}(tag={tag}): message tags are not supported (NCCL ignores "
+            "them; messages between two ranks match in posting order): drop tag="
+        )
+    if peer is None:
+        raise ValueError(
+            f"deepspeed.comm.{op}(src=None): receiving from any rank is not supported: pass "
+            "the sender's global rank as src="
+        )
+    return peer
+
+
+def send(
+    tensor: Any,
+    dst: int,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "send",
+    debug: Any = None,
+) -> None:
+    """DeepSpeed's blocking ``send`` to global rank ``dst``, counted as ``send``."""
+    _comm.send(tensor, _pt2pt_checks("send", dst, tag), group, label=log_name)
+
+
+def recv(
+    tensor: Any,
+    src: int | None = None,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "recv",
+    debug: Any = None,
+) -> int:
+    """DeepSpeed's blocking ``recv`` from global rank ``src``; returns ``src``."""
+    peer = _pt2pt_checks("recv", src, tag)
+    _comm.recv(tensor, peer, group, label=log_name)
+    return peer
+
+
+def isend(
+    tensor: Any,
+    dst: int,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "isend",
+    debug: Any = None,
+) -> Any:
+    """DeepSpeed's ``isend``: returns the work to ``wait()`` on."""
+    return _comm.isend(tensor, _pt2pt_checks("isend", dst, tag), group, label=log_name)
+
+
+def irecv(
+    tensor: Any,
+    src: int | None = None,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "irecv",
+    debug: Any = None,
+) -> Any:
+    """DeepSpeed's ``irecv``: returns the work to ``wait()`` on."""
+    return _comm.irecv(tensor, _pt2pt_checks("irecv", src, tag), group, label=log_name)

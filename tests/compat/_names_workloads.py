@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from slipstream import comm as ds_comm
 from slipstream.comm import TorchBackend, comm_counters
 
 
@@ -24,3 +25,20 @@ def torch_backend_collectives() -> dict[str, list[float]]:
         "scattered": part.tolist(),
         "counted": [float(after - before)],
     }
+
+
+def point_to_point() -> dict[str, list[float]]:
+    """DeepSpeedExamples' pt2pt benchmark calls: rank 0 sends, rank 1 receives."""
+    rank = dist.get_rank()
+    t = torch.full((3,), 5.0) if rank == 0 else torch.zeros(3)
+    if rank == 0:
+        ds_comm.send(t, 1)
+        ds_comm.isend(t * 2, 1).wait()
+    else:
+        ds_comm.recv(t, 0)
+        u = torch.zeros(3)
+        ds_comm.irecv(u, 0).wait()
+        t = torch.cat([t, u])
+    out = torch.zeros(2 * 2)
+    ds_comm.allgather_fn(out, torch.full((2,), float(rank)))
+    return {"got": t.tolist(), "gathered": out.tolist()}

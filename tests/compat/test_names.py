@@ -51,3 +51,18 @@ def test_torch_backend_collectives_go_through_the_comm_layer() -> None:
     # sum over ranks of arange(4) + rank = [1, 3, 5, 7]; rank r keeps slice r
     assert r0["scattered"] == [1.0, 3.0] and r1["scattered"] == [5.0, 7.0]
     assert r0["counted"][0] > 0
+
+
+def test_point_to_point_and_allgather_fn() -> None:
+    r0, r1 = run_world(w.point_to_point, 2)
+    assert r1["got"] == [5.0] * 3 + [10.0] * 3
+    assert r0["gathered"] == r1["gathered"] == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_point_to_point_refusals() -> None:
+    from slipstream import comm
+
+    with pytest.raises(ValueError, match="tag=3"):
+        comm.send(torch.zeros(1), 1, tag=3)
+    with pytest.raises(ValueError, match="src=None"):
+        comm.recv(torch.zeros(1))
