@@ -309,6 +309,17 @@ class CompressedConv2d(_Compressible, nn.Conv2d):
             self.channel_mask_scores = _new_scores((self.weight.size(0), 1, 1, 1), self.weight)
         self._register("channel_pruning_mask", mask)
 
+    def enable_weight_quantization(
+        self, target_bits: int, in_forward: bool, quantization_type: str, num_groups: int
+    ) -> None:
+        if in_forward and target_bits < 4:
+            raise ValueError(
+                f"weight_quantization: target_bits = {target_bits} on a Conv2d; convolution "
+                "weights are quantized at 4 bits or more (as DeepSpeed): move this module to "
+                "a group with target_bits >= 4"
+            )
+        super().enable_weight_quantization(target_bits, in_forward, quantization_type, num_groups)
+
     def _channel_mask(self) -> torch.Tensor:
         if self.channel_pruning_method == "l1":
             return _buffer(self, "channel_pruning_mask").to(self.weight.device)

@@ -228,6 +228,20 @@ class WeightQuantizationConfig(_Technique):
     def _keys(cls, value: Any) -> Any:
         return _check_group_keys(value, WeightQuantizationGroup, "weight_quantization")
 
+    @model_validator(mode="after")
+    def _low_bits_are_symmetric(self) -> WeightQuantizationConfig:
+        if not self.enabled or self.shared_parameters.quantization_type == "symmetric":
+            return self
+        for name, group in (self.different_groups or {}).items():
+            if group.params.target_bits <= 2:
+                raise ConfigError(
+                    "config key 'compression_training.weight_quantization.different_groups."
+                    f"{name}.params.target_bits' = {group.params.target_bits}: ternary (2) and "
+                    "binary (1) weights are symmetric only; set shared_parameters."
+                    "quantization_type to symmetric or target_bits to 3 or more"
+                )
+        return self
+
 
 class ActivationQuantizationConfig(_Technique):
     """``activation_quantization``."""
@@ -364,7 +378,6 @@ NOT_BUILT: dict[str, str] = {
         "slipstream builds the forward mode: set it to true (quantized forward, "
         "straight-through gradients, target_bits from schedule_offset on)"
     ),
-    "activation_quantization": "activation quantization is not built yet",
     "layer_reduction": "layer reduction is not built yet",
     "sparse_pruning": "sparse pruning is not built yet",
     "row_pruning": "row pruning is not built yet",

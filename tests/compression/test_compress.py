@@ -121,3 +121,37 @@ def test_model_copies_stay_independent() -> None:
     twin = copy.deepcopy(model)
     sched.step(step_zero_check=True)
     assert not twin.bert.encoder.layer[0].attention.self.query.weight_quantization_enabled
+
+
+def test_static_activation_range_moves_in_training_only() -> None:
+    """Static calibration: the first batch sets the range, later ones move it with momentum
+    0.95, eval keeps it; dynamic calibration quantizes each token with its own range."""
+    model, sched, _ = _prepared(activation_quantization=m.activation_quantization(0, "static"))
+    sched.step(step_zero_check=True)
+    query = model.bert.encoder.layer[0].attention.self.query
+    rng = query.activation_quantizer.x_min_max
+    x1, x2 = torch.randn(2, 3, m.HIDDEN), 3 * torch.randn(2, 3, m.HIDDEN)
+    query(x1)
+    torch.testing.assert_close(rng, torch.stack([x1.min(), x1.max()]))
+    query(x2)
+    want = torch.stack([x1.min() * 0.95 + x2.min() * 0.05, x1.max() * 0.95 + x2.max() * 0.05])
+    torch.testing.assert_close(rng, want)
+    model.eval()
+    query(10 * x2)
+    torch.testing.assert_close(rng, want)
+    assert "activation_quantizer.x_min_max" in dict(query.named_buffers())
+
+
+def test_dynamic_activation_quantizes_each_token() -> None:
+    model, sched, _ = _prepared(activation_quantization=m.activation_quantization(0))
+    sched.step(step_zero_check=True)
+    inter = model.bert.encoder.layer[0].intermediate.dense
+    x = torch.randn(2, 3, m.HIDDEN)
+    x[0, 0] *= 100  # one loud token must not coarsen the others
+    from slipstream.compression.quantizers import symmetric_quantize
+
+    want = torch.nn.functional.linear(
+        symmetric_quantize(x, 8, None, None, 6), inter.weight, inter.bias
+    )
+    torch.testing.assert_close(inter(x), want)
+    assert not torch.allclose(inter(x), torch.nn.functional.linear(x, inter.weight, inter.bias))

@@ -85,6 +85,18 @@ def test_group_defaults() -> None:
             "quantization_type",
         ),
         (
+            {
+                "weight_quantization": _wq(quantization_type="asymmetric")["weight_quantization"]
+                | {
+                    "different_groups": {
+                        "g": {"params": {"start_bits": 2, "target_bits": 2}, "modules": ["x"]}
+                    }
+                }
+            },
+            "different_groups.g.params.target_bits' = 2: ternary (2) and binary (1) weights are "
+            "symmetric only",
+        ),
+        (
             {"layer_reduction": {"enabled": True, "teacher_layer": [1, 3]}},
             "'compression_training.layer_reduction.module_name_prefix' is missing",
         ),
