@@ -303,7 +303,9 @@ class CompressedConv2d(_Compressible, nn.Conv2d):
         self.channel_pruning_method = method
         mask = None
         if method == "l1":
-            norms = torch.linalg.norm(self.weight.data, ord=1, dim=[1, 2, 3])
+            # The kernel's L1 norm (DeepSpeed's torch.linalg.norm(ord=1) over three dims
+            # raises on current PyTorch; vector_norm is the sum of |w| it intends).
+            norms = torch.linalg.vector_norm(self.weight.data, ord=1, dim=(1, 2, 3))
             mask = topk_mask(norms, ratio).view(-1, 1, 1, 1)
         else:
             self.channel_mask_scores = _new_scores((self.weight.size(0), 1, 1, 1), self.weight)

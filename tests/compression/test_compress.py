@@ -155,3 +155,36 @@ def test_dynamic_activation_quantizes_each_token() -> None:
     )
     torch.testing.assert_close(inter(x), want)
     assert not torch.allclose(inter(x), torch.nn.functional.linear(x, inter.weight, inter.bias))
+
+
+def test_layer_reduction_initialises_the_student_from_the_teacher() -> None:
+    """Student layer i = teacher layer teacher_layer[i]; the other modules are copied whole;
+    then the student is prepared like any model (the reference: the teacher's own tensors)."""
+    teacher, student = m.tiny_bert(1), m.tiny_bert(2, layers=2)
+    cfg = m.ds_config(
+        layer_reduction=m.layer_reduction([1, 3]),
+        weight_quantization=m.weight_quantization(offset=0),
+    )
+    init_compression(student, cfg, teacher_model=teacher)
+    t_state, s_state = teacher.state_dict(), student.state_dict()
+    for key, value in s_state.items():
+        if key.startswith("bert.encoder.layer.0."):
+            t_key = key.replace("layer.0.", "layer.1.", 1)
+        elif key.startswith("bert.encoder.layer.1."):
+            t_key = key.replace("layer.1.", "layer.3.", 1)
+        else:
+            t_key = key
+        torch.testing.assert_close(value, t_state[t_key], rtol=0, atol=0, msg=key)
+    assert isinstance(student.bert.encoder.layer[1].intermediate.dense, CompressedLinear)
+
+
+def test_layer_reduction_errors() -> None:
+    cfg = m.ds_config(layer_reduction=m.layer_reduction([1, 3]))
+    with pytest.raises(ValueError, match="pass the teacher"):
+        init_compression(m.tiny_bert(2, layers=2), cfg)
+    teacher = m.tiny_bert(1)
+    teacher.classifier = torch.nn.Linear(m.HIDDEN, 5)
+    with pytest.raises(ValueError, match="'classifier' and teacher 'classifier' differ"):
+        init_compression(m.tiny_bert(2, layers=2), cfg, teacher_model=teacher)
+    with pytest.raises(AttributeError, match="no attribute '3'"):
+        init_compression(m.tiny_bert(2, layers=2), cfg, teacher_model=m.tiny_bert(1, layers=2))
