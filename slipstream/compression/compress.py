@@ -39,6 +39,15 @@ _CLEAN_ORDER = (
 )
 
 
+_SNIP_ONLY = (
+    "dense_ratio",
+    "block_pattern",
+    "schedule_offset_stride",
+    "excluded_modules",
+    "schedule_offset_end",
+)
+
+
 class _Assignment:
     """One group of one technique: its modules (per pattern), related modules, settings."""
 
@@ -67,6 +76,8 @@ def _assignments(model: nn.Module, cfg: CompressionConfig) -> list[_Assignment]:
     for key, tech in cfg.techniques().items():
         taken: set[str] = set()
         shared = tech.shared_parameters.model_dump()  # type: ignore[attr-defined]
+        for option in _SNIP_ONLY:  # snip_momentum's; a group's own dense_ratio must win
+            shared.pop(option, None)
         for group, spec in (tech.different_groups or {}).items():
             modules, related = [], []
             patterns = spec.modules

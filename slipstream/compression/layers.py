@@ -303,11 +303,24 @@ class CompressedConv2d(_Compressible, nn.Conv2d):
         self.channel_pruning_method = method
         mask = None
         if method == "l1":
-            norms = torch.linalg.norm(self.weight.data, ord=1, dim=[1, 2, 3])
+            # The kernel's L1 norm (DeepSpeed's torch.linalg.norm(ord=1) over three dims
+            # raises on current PyTorch; vector_norm is the sum of |w| it intends).
+            norms = torch.linalg.vector_norm(self.weight.data, ord=1, dim=(1, 2, 3))
             mask = topk_mask(norms, ratio).view(-1, 1, 1, 1)
         else:
             self.channel_mask_scores = _new_scores((self.weight.size(0), 1, 1, 1), self.weight)
         self._register("channel_pruning_mask", mask)
+
+    def enable_weight_quantization(
+        self, target_bits: int, in_forward: bool, quantization_type: str, num_groups: int
+    ) -> None:
+        if in_forward and target_bits < 4:
+            raise ValueError(
+                f"weight_quantization: target_bits = {target_bits} on a Conv2d; convolution "
+                "weights are quantized at 4 bits or more (as DeepSpeed): move this module to "
+                "a group with target_bits >= 4"
+            )
+        super().enable_weight_quantization(target_bits, in_forward, quantization_type, num_groups)
 
     def _channel_mask(self) -> torch.Tensor:
         if self.channel_pruning_method == "l1":

@@ -228,6 +228,20 @@ class WeightQuantizationConfig(_Technique):
     def _keys(cls, value: Any) -> Any:
         return _check_group_keys(value, WeightQuantizationGroup, "weight_quantization")
 
+    @model_validator(mode="after")
+    def _low_bits_are_symmetric(self) -> WeightQuantizationConfig:
+        if not self.enabled or self.shared_parameters.quantization_type == "symmetric":
+            return self
+        for name, group in (self.different_groups or {}).items():
+            if group.params.target_bits <= 2:
+                raise ConfigError(
+                    "config key 'compression_training.weight_quantization.different_groups."
+                    f"{name}.params.target_bits' = {group.params.target_bits}: ternary (2) and "
+                    "binary (1) weights are symmetric only; set shared_parameters."
+                    "quantization_type to symmetric or target_bits to 3 or more"
+                )
+        return self
+
 
 class ActivationQuantizationConfig(_Technique):
     """``activation_quantization``."""
@@ -364,25 +378,32 @@ NOT_BUILT: dict[str, str] = {
         "slipstream builds the forward mode: set it to true (quantized forward, "
         "straight-through gradients, target_bits from schedule_offset on)"
     ),
-    "activation_quantization": "activation quantization is not built yet",
-    "layer_reduction": "layer reduction is not built yet",
-    "sparse_pruning": "sparse pruning is not built yet",
-    "row_pruning": "row pruning is not built yet",
-    "head_pruning": "head pruning is not built yet",
-    "channel_pruning": "channel pruning is not built yet",
+    "sparse_pruning.shared_parameters.method": (
+        "snip_momentum is Intel Neural Compressor's pruner, which DeepSpeed only wraps "
+        "(pip neural-compressor); slipstream does not: use method l1 (magnitude mask) or "
+        "topk (learned scores)"
+    ),
+    "head_pruning.shared_parameters.method": (
+        "DeepSpeed prunes heads by learned scores only (its l1 head pruning raises "
+        "NotImplementedError): set method to topk"
+    ),
 }
 
 
-def _refused(cfg: CompressionConfig) -> list[str]:
-    """The dotted keys of ``cfg`` that ask for something in ``NOT_BUILT``."""
-    on = {k for k, t in cfg.techniques().items() if t.enabled}
-    if cfg.layer_reduction.enabled:
-        on.add("layer_reduction")
-    keys = sorted(on & set(NOT_BUILT))
+def _refused(cfg: CompressionConfig) -> list[tuple[str, str]]:
+    """(dotted key, how it is set) for each key of ``cfg`` asking for something in
+    ``NOT_BUILT``."""
+    out = []
     wq = cfg.weight_quantization
     if wq.enabled and not wq.shared_parameters.quantize_weight_in_forward:
-        keys.append("weight_quantization.shared_parameters.quantize_weight_in_forward")
-    return keys
+        out.append(("weight_quantization.shared_parameters.quantize_weight_in_forward", "= false"))
+    sp = cfg.sparse_pruning
+    if sp.enabled and sp.shared_parameters.method == "snip_momentum":
+        out.append(("sparse_pruning.shared_parameters.method", "= 'snip_momentum'"))
+    hp = cfg.head_pruning
+    if hp.enabled and hp.shared_parameters.method == "l1":
+        out.append(("head_pruning.shared_parameters.method", "= 'l1'"))
+    return out
 
 
 class CompressionConfig(StrictModel):
@@ -426,10 +447,8 @@ class CompressionConfig(StrictModel):
     @model_validator(mode="after")
     def _refuse_unbuilt(self) -> CompressionConfig:
         refused = [
-            f"config key 'compression_training.{k}' "
-            + ("= false" if k.endswith("in_forward") else "is enabled but")
-            + f" cannot be honoured: {NOT_BUILT[k]}"
-            for k in _refused(self)
+            f"config key 'compression_training.{key}' {how} cannot be honoured: {NOT_BUILT[key]}"
+            for key, how in _refused(self)
         ]
         if refused:
             raise ConfigError(

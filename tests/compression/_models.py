@@ -165,3 +165,89 @@ def ds_config(**techniques: Any) -> dict[str, Any]:
         "gradient_clipping": 0.0,
         "compression_training": copy.deepcopy(techniques),
     }
+
+
+def layer_reduction(teacher_layer: list[int]) -> dict[str, Any]:
+    """DeepSpeedExamples' BERT layer reduction, for the tiny model."""
+    return {
+        "enabled": True,
+        "keep_number_layer": len(teacher_layer),
+        "module_name_prefix": "bert.encoder.layer",
+        "teacher_layer": teacher_layer,
+        "other_module_name": ["bert.pooler", "bert.embeddings", "classifier"],
+    }
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class TinyCNN(nn.Module):
+    """A ResNet-shaped CNN with DeepSpeedExamples' cifar names (``layer1.0.conv1``, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.layer1 = nn.Sequential(Block(8), Block(8))
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layer1(torch.relu(self.conv1(x))).mean(dim=(2, 3)))
+
+
+def tiny_cnn(seed: int = 0) -> TinyCNN:
+    torch.manual_seed(seed)
+    model = TinyCNN()
+    model.eval()  # BatchNorm with its running statistics: forwards are deterministic
+    return model
+
+
+def cnn_batch(seed: int) -> torch.Tensor:
+    return torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def pruning(kind: str, method: str, offset: int = 1, **shared: Any) -> dict[str, Any]:
+    """One pruning technique, on the groups DeepSpeedExamples use."""
+    groups = {
+        "sparse_pruning": {"sp1": _group({"dense_ratio": 0.5}, ["attention.self", "conv2"])},
+        "row_pruning": {
+            "rp1": _group(
+                {"dense_ratio": 0.5},
+                ["intermediate.dense"],
+                related_modules=[["layer.\\w+.output.dense"]],
+            )
+        },
+        "head_pruning": {
+            "hp1": _group(
+                {"dense_ratio": 0.5},
+                ["attention.output.dense"],
+                related_modules=[["self.query", "self.key", "self.value"]],
+            )
+        },
+        "channel_pruning": {
+            "cp1": _group(
+                {"dense_ratio": 0.5},
+                ["layer....conv1"],
+                related_modules=[["layer....conv2", "layer....bn1"]],
+            )
+        },
+    }[kind]
+    return {
+        kind: {
+            "shared_parameters": {
+                "enabled": True,
+                "schedule_offset": offset,
+                "method": method,
+                **shared,
+            },
+            "different_groups": groups,
+        }
+    }

@@ -121,3 +121,70 @@ def test_model_copies_stay_independent() -> None:
     twin = copy.deepcopy(model)
     sched.step(step_zero_check=True)
     assert not twin.bert.encoder.layer[0].attention.self.query.weight_quantization_enabled
+
+
+def test_static_activation_range_moves_in_training_only() -> None:
+    """Static calibration: the first batch sets the range, later ones move it with momentum
+    0.95, eval keeps it; dynamic calibration quantizes each token with its own range."""
+    model, sched, _ = _prepared(activation_quantization=m.activation_quantization(0, "static"))
+    sched.step(step_zero_check=True)
+    query = model.bert.encoder.layer[0].attention.self.query
+    rng = query.activation_quantizer.x_min_max
+    x1, x2 = torch.randn(2, 3, m.HIDDEN), 3 * torch.randn(2, 3, m.HIDDEN)
+    query(x1)
+    torch.testing.assert_close(rng, torch.stack([x1.min(), x1.max()]))
+    query(x2)
+    want = torch.stack([x1.min() * 0.95 + x2.min() * 0.05, x1.max() * 0.95 + x2.max() * 0.05])
+    torch.testing.assert_close(rng, want)
+    model.eval()
+    query(10 * x2)
+    torch.testing.assert_close(rng, want)
+    assert "activation_quantizer.x_min_max" in dict(query.named_buffers())
+
+
+def test_dynamic_activation_quantizes_each_token() -> None:
+    model, sched, _ = _prepared(activation_quantization=m.activation_quantization(0))
+    sched.step(step_zero_check=True)
+    inter = model.bert.encoder.layer[0].intermediate.dense
+    x = torch.randn(2, 3, m.HIDDEN)
+    x[0, 0] *= 100  # one loud token must not coarsen the others
+    from slipstream.compression.quantizers import symmetric_quantize
+
+    want = torch.nn.functional.linear(
+        symmetric_quantize(x, 8, None, None, 6), inter.weight, inter.bias
+    )
+    torch.testing.assert_close(inter(x), want)
+    assert not torch.allclose(inter(x), torch.nn.functional.linear(x, inter.weight, inter.bias))
+
+
+def test_layer_reduction_initialises_the_student_from_the_teacher() -> None:
+    """Student layer i = teacher layer teacher_layer[i]; the other modules are copied whole;
+    then the student is prepared like any model (the reference: the teacher's own tensors)."""
+    teacher, student = m.tiny_bert(1), m.tiny_bert(2, layers=2)
+    cfg = m.ds_config(
+        layer_reduction=m.layer_reduction([1, 3]),
+        weight_quantization=m.weight_quantization(offset=0),
+    )
+    init_compression(student, cfg, teacher_model=teacher)
+    t_state, s_state = teacher.state_dict(), student.state_dict()
+    for key, value in s_state.items():
+        if key.startswith("bert.encoder.layer.0."):
+            t_key = key.replace("layer.0.", "layer.1.", 1)
+        elif key.startswith("bert.encoder.layer.1."):
+            t_key = key.replace("layer.1.", "layer.3.", 1)
+        else:
+            t_key = key
+        torch.testing.assert_close(value, t_state[t_key], rtol=0, atol=0, msg=key)
+    assert isinstance(student.bert.encoder.layer[1].intermediate.dense, CompressedLinear)
+
+
+def test_layer_reduction_errors() -> None:
+    cfg = m.ds_config(layer_reduction=m.layer_reduction([1, 3]))
+    with pytest.raises(ValueError, match="pass the teacher"):
+        init_compression(m.tiny_bert(2, layers=2), cfg)
+    teacher = m.tiny_bert(1)
+    teacher.classifier = torch.nn.Linear(m.HIDDEN, 5)
+    with pytest.raises(ValueError, match="'classifier' and teacher 'classifier' differ"):
+        init_compression(m.tiny_bert(2, layers=2), cfg, teacher_model=teacher)
+    with pytest.raises(AttributeError, match="no attribute '3'"):
+        init_compression(m.tiny_bert(2, layers=2), cfg, teacher_model=m.tiny_bert(1, layers=2))

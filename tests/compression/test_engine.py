@@ -15,6 +15,17 @@ from tests.distributed.harness import run_world
 
 CONFIGS = {
     "weight_offset2": m.ds_config(weight_quantization=m.weight_quantization(offset=2)),
+    "w8w4_a8_dynamic": m.ds_config(
+        weight_quantization=m.weight_quantization(offset=2),
+        activation_quantization=m.activation_quantization(offset=3),
+    ),
+    "a8_static_asymmetric": m.ds_config(
+        activation_quantization=m.activation_quantization(1, "static", "asymmetric")
+    ),
+    "w2w1_a8_static": m.ds_config(
+        weight_quantization=m.weight_quantization(offset=1, groups=1, bits=(2, 1)),
+        activation_quantization=m.activation_quantization(0, "static"),
+    ),
 }
 
 

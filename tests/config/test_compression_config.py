@@ -85,6 +85,18 @@ def test_group_defaults() -> None:
             "quantization_type",
         ),
         (
+            {
+                "weight_quantization": _wq(quantization_type="asymmetric")["weight_quantization"]
+                | {
+                    "different_groups": {
+                        "g": {"params": {"start_bits": 2, "target_bits": 2}, "modules": ["x"]}
+                    }
+                }
+            },
+            "different_groups.g.params.target_bits' = 2: ternary (2) and binary (1) weights are "
+            "symmetric only",
+        ),
+        (
             {"layer_reduction": {"enabled": True, "teacher_layer": [1, 3]}},
             "'compression_training.layer_reduction.module_name_prefix' is missing",
         ),
@@ -96,25 +108,28 @@ def test_bad_blocks_are_named(raw: dict[str, Any], message: str) -> None:
     assert message in str(err.value)
 
 
+_UNBUILT = {
+    "weight_quantization.shared_parameters.quantize_weight_in_forward": _wq(
+        quantize_weight_in_forward=False
+    ),
+    "sparse_pruning.shared_parameters.method": {
+        "sparse_pruning": {"shared_parameters": {"enabled": True, "method": "snip_momentum"}}
+    },
+    "head_pruning.shared_parameters.method": {
+        "head_pruning": {
+            "shared_parameters": {"enabled": True, "method": "l1", "num_heads": 2},
+            "different_groups": {"g": {"params": {"dense_ratio": 0.5}, "modules": ["o"]}},
+        }
+    },
+}
+
+
 @pytest.mark.parametrize("key", sorted(NOT_BUILT))
-def test_unbuilt_techniques_are_refused_by_name(key: str) -> None:
-    """Every technique slipstream does not build is refused when enabled, never dropped."""
-    groups = {"g": {"params": {"dense_ratio": 0.5}, "modules": ["fc"]}}
-    shared: dict[str, Any] = {"enabled": True}
-    block: dict[str, Any] = {"shared_parameters": shared, "different_groups": groups}
-    if key.startswith("weight_quantization"):
-        block = _wq(quantize_weight_in_forward=False)["weight_quantization"]
-    elif key == "activation_quantization":
-        block["different_groups"] = {"g": {"params": {"bits": 8}, "modules": ["fc"]}}
-    elif key == "head_pruning":
-        shared["num_heads"] = 2
-    elif key == "layer_reduction":
-        block = {"enabled": True, "module_name_prefix": "layers", "teacher_layer": [0]}
-    elif key == "sparse_pruning.snip_momentum":
-        key, shared["method"] = "sparse_pruning", "snip_momentum"
+def test_unbuilt_options_are_refused_by_name(key: str) -> None:
+    """Every option slipstream does not build is refused when enabled, never dropped."""
     with pytest.raises(ConfigError) as err:
-        get_compression_config({"compression_training": {key.split(".")[0]: block}})
-    assert f"config key 'compression_training.{key}" in str(err.value)
+        get_compression_config({"compression_training": _UNBUILT[key]})
+    assert f"config key 'compression_training.{key}' = " in str(err.value)
     assert NOT_BUILT[key] in str(err.value)
 
 
