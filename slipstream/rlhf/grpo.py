@@ -27,6 +27,7 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.inference.request import trainer_request
 from slipstream.rlhf.advantages import grpo_advantages, rloo_advantages
 from slipstream.rlhf.losses import grpo_loss
 from slipstream.rlhf.policy import (
@@ -204,17 +205,19 @@ class GRPOTrainer:
         cfg, g = self.config, self.config.group_size
         ids, pmask = prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0)
         self.engine.eval()
-        seqs = self.engine.generate(
+        request = trainer_request(
+            self.engine.module,
             ids,
-            attention_mask=pmask,
+            pmask,
             max_new_tokens=cfg.max_new_tokens,
             do_sample=True,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
-            seed=sampling_seed(cfg.seed, self.steps, comm.get_rank()),
+            eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids,
+            seed=sampling_seed(cfg.seed, self.steps, comm.get_rank()),
         )
+        seqs = self.engine.hybrid_engine.run(request)
         self.engine.train()
         answer = completion_mask(seqs[:, ids.shape[1] :], self.eos_token_ids)
         return seqs, torch.cat([pmask, answer], dim=1), answer

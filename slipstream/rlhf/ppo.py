@@ -31,6 +31,7 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.inference.request import trainer_request
 from slipstream.rlhf.advantages import ema_update_, gae_advantages_and_returns, kl_shaped_rewards
 from slipstream.rlhf.data import SFTBatch
 from slipstream.rlhf.grpo import completion_mask
@@ -206,16 +207,19 @@ class PPOTrainer:
         cfg, p = self.config, prompt_ids.shape[1]
         started = time.perf_counter()
         self.actor.eval()
-        seq = self.actor.generate(
+        request = trainer_request(
+            self.actor.module,
             prompt_ids,
-            attention_mask=prompt_mask,
+            prompt_mask,
             max_new_tokens=cfg.max_new_tokens,
             do_sample=cfg.do_sample,
             temperature=cfg.temperature,
-            seed=sampling_seed(cfg.seed, self.steps, comm.get_rank()),
+            top_k=None,
+            eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids,
+            seed=sampling_seed(cfg.seed, self.steps, comm.get_rank()),
         )
+        seq = self.actor.hybrid_engine.run(request)
         self.actor.train()
         generated = time.perf_counter()
         self._timing = (generated - started, 0.0)

@@ -354,3 +354,17 @@ def empty_answers_checks() -> dict[str, Any]:
         "third_trained": third is not None,
         "reused": ppo._previous.reused,
     }
+
+
+def saved_state(directory: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a model ``slipstream chat`` saved (a reward model's value head as
+    ``v_head.weight``)."""
+    from pathlib import Path
+
+    from slipstream.models.files import load_gpt_state
+
+    state = dict(load_gpt_state(directory))
+    v_head = Path(directory) / "v_head.pt"
+    if v_head.is_file():
+        state["v_head.weight"] = torch.load(v_head, weights_only=True)["weight"]
+    return state
