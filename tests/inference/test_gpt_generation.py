@@ -8,7 +8,7 @@ import torch
 from slipstream.config import ConfigError
 from slipstream.inference import init_inference, stream
 from slipstream.models import GPT, GPTConfig
-from tests.inference.conftest import EOS, VOCAB, left_padded
+from tests._tiny_models import EOS, VOCAB, left_padded
 
 LENGTHS = [3, 9, 6]
 NEW = 10

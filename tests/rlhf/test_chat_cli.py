@@ -34,7 +34,7 @@ def _state(directory: Path) -> dict[str, torch.Tensor]:
     return saved_state(directory)
 
 
-def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path):
+def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path, capsys):
     data, out = _write_data(tmp_path / "data", 20), tmp_path / "out"
     cmd = [sys.executable, "-m", "slipstream.cli.main", "chat", "--actor", "gpt:tiny",
            "--reward", "gpt:tiny", "--data", str(data), "--output", str(out), "--step", "all",
@@ -61,12 +61,12 @@ def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path):
     assert any(not torch.equal(actor[k], sft[k]) for k in sft)
     assert any(not torch.equal(critic[k], rm[k]) for k in rm)
     assert (out / "step2_reward/v_head.pt").is_file() and not (out / "step1_sft/v_head.pt").exists()
-    _evaluate_quantize_and_generate(tmp_path, out / "step3_rlhf/actor")
+    _evaluate_quantize_and_generate(tmp_path, out / "step3_rlhf/actor", capsys)
     pytest.importorskip("matplotlib")
     assert [p.name for p in (out / "step3_rlhf/plots").iterdir()] == ["summary.png"]
 
 
-def _evaluate_quantize_and_generate(tmp_path: Path, actor: Path) -> None:
+def _evaluate_quantize_and_generate(tmp_path: Path, actor: Path, capsys) -> None:
     """Regression: ``slipstream chat`` saved ``slipstream_gpt.json`` + ``model.pt``, which
     neither ``slipstream quant eval`` (it read ``gpt_config.json`` + ``model.safetensors``) nor
     ``slipstream generate`` (Hugging Face models only) could read. Both read what chat saves
@@ -76,34 +76,26 @@ def _evaluate_quantize_and_generate(tmp_path: Path, actor: Path) -> None:
     tok = load_tokenizer(actor)
     text = " ".join(r.prompt + r.chosen for r in records(6, seed=9))
     (tmp_path / "eval.txt").write_text(text)
-    capture = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "quant", "eval", str(actor), "--text",
-         str(tmp_path / "eval.txt"), "--seq-len", "12", "--configs", "fp32,w8a8-int"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert capture.returncode == 0, capture.stderr[-2000:]
-    rows = [line.split() for line in capture.stdout.splitlines()]
+    capsys.readouterr()
+    rc = main(["quant", "eval", str(actor), "--text", str(tmp_path / "eval.txt"), "--seq-len",
+               "12", "--configs", "fp32,w8a8-int"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    rows = [line.split() for line in out.out.splitlines()]
     ppl = {r[0]: float(r[1]) for r in rows if r and r[0] in ("fp32", "w8a8-int")}
     assert set(ppl) == {"fp32", "w8a8-int"} and all(math.isfinite(v) for v in ppl.values())
     assert ppl["fp32"] < tok.vocab_size  # trained: better than uniform over the vocabulary
     prompt = records(1, seed=3)[0].prompt
-    done = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "generate", str(actor), "--prompt", prompt,
-         "--max-new-tokens", "4", "--quant", "w8a8-int-attn-float"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    generate = ["generate", str(actor), "--prompt", prompt, "--max-new-tokens", "4"]
+    assert main([*generate, "--quant", "w8a8-int-attn-float"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(generate) == 0
+    shown = capsys.readouterr().out
     model = load_gpt(actor).eval()
     ids = torch.tensor([tok.encode(prompt)])
     greedy = model.generate(ids, 4, temperature=0.0)[0, ids.shape[1] :].tolist()
     end = greedy.index(1) if 1 in greedy else len(greedy)  # the character tokenizer's EOS
-    fp32 = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "generate", str(actor), "--prompt", prompt,
-         "--max-new-tokens", "4"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert fp32.returncode == 0, fp32.stderr[-2000:]
-    assert fp32.stdout.strip() == tok.decode(greedy[:end]).strip()
+    assert shown.strip() == tok.decode(greedy[:end]).strip()
 
 
 def _chat(tmp_path: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> str:
