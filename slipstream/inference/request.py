@@ -1,5 +1,10 @@
 """``generate``'s arguments (Hugging Face ``model.generate``'s names), checked before any work.
 
+The one place Hugging Face's keywords are read: the public ``generate`` methods (the inference
+engine's, :func:`slipstream.inference.generate`, the hybrid engine's ``engine.generate``)
+pass their call through :func:`call_arguments` and :func:`build_request`; everything inside
+the package hands the resulting typed :class:`GenerationRequest` around.
+
 Values the caller leaves out come from the model's ``generation_config`` and then from
 Hugging Face's defaults (``max_length`` 20, ``top_k`` 50 when sampling), so a call written
 for ``model.generate`` picks the same settings here. Every check that can fail runs here,
@@ -8,16 +13,23 @@ before the prompt reaches the model: a request that cannot finish is refused, no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from slipstream.config._errors import ConfigError, did_you_mean
-from slipstream.inference.sampling import SamplingPolicy
+from slipstream.models.decoding import GenerationRequest
+from slipstream.models.sampling import SamplingPolicy
 
-__all__ = ["GENERATE_ARGUMENTS", "GenerationRequest", "build_request"]
+__all__ = [
+    "GENERATE_ARGUMENTS",
+    "GenerationRequest",
+    "build_request",
+    "call_arguments",
+    "check_length",
+    "trainer_request",
+]
 
 # HF's global defaults for values neither the call nor generation_config sets.
 _HF_DEFAULTS: dict[str, Any] = {
@@ -41,27 +53,6 @@ GENERATE_ARGUMENTS = (
     "output_logits", "synced_gpus",
 )  # fmt: skip
 """Every keyword ``generate`` understands; anything else is refused with a did-you-mean."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated generation call (prompt rows already expanded for num_return_sequences)."""
-
-    input_ids: torch.Tensor
-    """``[b, t]`` prompt token ids, left-padded."""
-    attention_mask: torch.Tensor
-    """``[b, t]`` 1 for real tokens, 0 for left padding."""
-    max_new_tokens: int
-    min_new_tokens: int
-    sampling: SamplingPolicy
-    eos_token_ids: tuple[int, ...]
-    """Tokens that end a row (empty with ``ignore_eos``)."""
-    pad_token_id: int
-    """Written after a row has finished."""
-    stop_strings: tuple[str, ...]
-    tokenizer: Any
-    generator: torch.Generator | None
-    streamer: Any
 
 
 def _pick(kwargs: dict[str, Any], gen_config: Any, name: str) -> Any:
@@ -171,6 +162,31 @@ def _budget(kwargs: dict[str, Any], gen_config: Any, prompt_len: int) -> tuple[i
     return new, max(low, 0)
 
 
+def call_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``generate(*args, **kwargs)`` as keywords: the prompt ids may come first by position
+    (or as ``inputs=``, Hugging Face's name).
+
+    Raises:
+        ConfigError: more than one positional argument, or the prompt given twice.
+    """
+    if len(args) > 1:
+        raise ConfigError(
+            "generate takes the prompt ids as its only positional argument; pass the rest "
+            "by keyword (attention_mask=..., max_new_tokens=...)"
+        )
+    if args:
+        if "input_ids" in kwargs or "inputs" in kwargs:
+            raise ConfigError("generate: input_ids given both by position and by keyword")
+        kwargs = {"input_ids": args[0], **kwargs}
+    return kwargs
+
+
+def check_length(req: GenerationRequest, max_out_tokens: int | None, context: int | None) -> None:
+    """Refuse a request whose prompt plus new tokens exceeds ``max_out_tokens`` (the engine's
+    limit) or ``context`` (the model's positions)."""
+    _check_length(req.input_ids.shape[1] + req.max_new_tokens, max_out_tokens, context)
+
+
 def _check_length(total: int, max_out_tokens: int | None, context: int | None) -> None:
     if max_out_tokens is not None and total > max_out_tokens:
         raise ConfigError(
@@ -247,4 +263,38 @@ def build_request(
         tokenizer=kwargs.get("tokenizer"),
         generator=_generator(kwargs, ids.device),
         streamer=kwargs.get("streamer"),
+        copies=copies,
+    )
+
+
+def trainer_request(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    seed: int,
+) -> GenerationRequest:
+    """The request of an RLHF trainer's generation (PPO, GRPO): its own settings, the rest
+    (``top_k`` when None, ``top_p``, ``repetition_penalty``) from ``model``'s
+    ``generation_config`` and Hugging Face's defaults, as ``model.generate`` would take them.
+    """
+    return build_request(
+        model,
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "max_new_tokens": max_new_tokens,
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_k": top_k,
+            "seed": seed,
+            "pad_token_id": pad_token_id,
+            "eos_token_id": eos_token_ids,
+        },
     )

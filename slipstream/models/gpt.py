@@ -37,7 +37,12 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
-from slipstream.models.gpt_generation import cached_attention, forward_for_generation
+from slipstream.models.decoding import GPT_DRIVER, decode, generation_request
+from slipstream.models.gpt_generation import (
+    cached_attention,
+    check_generation_ready,
+    forward_for_generation,
+)
 from slipstream.models.gpt_plans import gpt_sp_plan, gpt_tp_plan
 from slipstream.models.kv_cache import KVCache, LayerKV
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
@@ -525,7 +530,6 @@ class GPT(nn.Module):
             )
         return KVCache(len(self.layers), max_len)
 
-    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -536,10 +540,12 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``input_ids`` [B, T0].
 
-        Recomputes the full (cropped) context each step, without a KV cache: a reference
-        path. ``slipstream.init_inference(model).generate(...)`` generates with the cache
-        (HF ``generate``'s arguments: padding, sampling, stopping). Does not change
-        train/eval mode: call ``model.eval()`` first if dropout > 0.
+        Runs slipstream's decode loop (:mod:`slipstream.models.decoding`) against the GPT's
+        KV cache; past ``config.max_seq_len`` positions each further token is predicted from
+        the last ``max_seq_len`` tokens (a sliding window, one loop call per token).
+        ``slipstream.init_inference(model).generate(...)`` takes Hugging Face ``generate``'s
+        arguments (padding, sampling, stopping) on the same loop. Does not change train/eval
+        mode: call ``model.eval()`` first if dropout > 0.
 
         Args:
             input_ids: prompt, int64 [B, T0], T0 >= 1.
@@ -550,26 +556,24 @@ class GPT(nn.Module):
 
         Returns:
             int64 [B, T0 + max_new_tokens].
+
+        Raises:
+            ValueError: a negative count or temperature, or ``top_k`` < 1.
         """
-        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-            raise ValueError(
-                f"generate got max_new_tokens={max_new_tokens}, temperature={temperature}, "
-                f"top_k={top_k}; need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None"
-            )
+        generation_request(input_ids, max_new_tokens, temperature, top_k, generator)  # checks
+        check_generation_ready(self)
+        context = self.config.max_seq_len
+        fit = max(0, min(max_new_tokens, context - input_ids.shape[1]))
         ids = input_ids
-        for _ in range(max_new_tokens):
-            logits = self(ids[:, -self.config.max_seq_len :])[:, -1, :].float()
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
-            ids = torch.cat((ids, next_id), dim=1)
-        return ids
+        if fit:
+            req = generation_request(ids, fit, temperature, top_k, generator)
+            ids = decode(self, req, GPT_DRIVER)
+        for _ in range(max_new_tokens - fit):
+            # Past the context: each token from the last max_seq_len tokens (a window).
+            req = generation_request(ids[:, -context:], 1, temperature, top_k, generator)
+            ids = torch.cat([ids, decode(self, req, GPT_DRIVER)[:, -1:]], 1)
+        # The loop runs under inference_mode; a copy can enter a training forward after.
+        return ids.clone()
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied matrix counts once).

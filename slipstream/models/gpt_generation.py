@@ -8,6 +8,12 @@ each attention layer appends its keys and values to the cache and attends to all
 under :func:`generation_mask` (causal, minus padding), and the LM head may run on the last
 positions only. This module addresses the GPT by its stable module names, as its plans do,
 so it does not import the model class.
+
+The second half is the GPT's :class:`~slipstream.models.decoding.ModelDriver` (the decode
+loop's access to it): the last position's logits of a chunk run against its cache, the cache
+(one preallocated buffer per layer, :mod:`slipstream.models.kv_cache`; the ``kv_cache``
+setting of ``init_inference``, the transformers cache classes, does not apply), dropping
+finished rows from it, and the context length.
 """
 
 from __future__ import annotations
@@ -16,10 +22,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from slipstream.config._errors import ConfigError
 from slipstream.models.kv_cache import KVCache, LayerKV
 
-__all__ = ["cached_attention", "check_generation_args", "forward_for_generation", "generation_mask"]
+__all__ = [
+    "cached_attention",
+    "check_generation_args",
+    "check_generation_ready",
+    "context_length",
+    "forward_for_generation",
+    "generation_mask",
+    "last_logits",
+    "make_cache",
+    "select_rows",
+]
 
 
 def forward_for_generation(
@@ -133,3 +151,57 @@ def check_generation_args(
             f"GPT.forward: attention_mask has shape {tuple(attention_mask.shape)}, expected "
             f"{(b, past + t)} (batch, cached positions {past} + input length {t})"
         )
+
+
+def check_generation_ready(model: nn.Module) -> None:
+    """Refuse, before any work, a GPT whose attention layers cannot take a KV cache.
+
+    Raises:
+        ConfigError: an attention layer was swapped for one without the cache arguments
+            (the INT8 attention core of ``slipstream.quant`` with ``HeroModes(attn_core=True)``).
+    """
+    layers: Any = model.get_submodule("layers")
+    for i, layer in enumerate(layers):
+        attn: Any = getattr(layer, "attn", None)
+        if not getattr(attn, "takes_kv_cache", False):
+            raise ConfigError(
+                f"generate: layers.{i}.attn is {type(attn).__name__}, which has no KV-cache "
+                "path; quantize with HeroModes(attn_core=False) (INT8 linear layers, float "
+                "attention) to generate with the reference GPT"
+            )
+
+
+def last_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    kv_cache: Any,
+) -> torch.Tensor:
+    """Run ``input_ids [b, t]`` against ``kv_cache`` (appended in place); return the last
+    position's logits ``[b, vocab]`` (the LM head runs on that position only)."""
+    logits = model(
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        kv_cache=kv_cache,
+        logits_to_keep=1,
+    )
+    return logits[:, -1]  # type: ignore[no-any-return]
+
+
+def make_cache(model: nn.Module, kind: str, max_len: int) -> KVCache:
+    """The GPT's own cache for ``max_len`` positions (``kind`` is for transformers models)."""
+    layers: Any = model.get_submodule("layers")
+    return KVCache(len(layers), max_len)
+
+
+def select_rows(kv_cache: Any, rows: torch.Tensor) -> None:
+    """Keep only batch ``rows`` of the cache, in place."""
+    kv_cache.select_rows(rows)
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The GPT's RoPE table length (``config.max_seq_len``)."""
+    config: Any = model.config
+    return int(config.max_seq_len)

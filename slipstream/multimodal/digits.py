@@ -56,7 +56,11 @@ _TOKEN = re.compile(r"###|\w+|[^\w\s]")
 
 
 class WordTokenizer:
-    """Word-level tokenizer of the demo's prompts: ``<pad>`` = 0, ``<eos>`` = 1, then words."""
+    """Word-level tokenizer of the demo's prompts: ``<pad>`` = 0, ``<eos>`` = 1, then words
+    (a :class:`~slipstream.data.tokenizer.TextTokenizer`)."""
+
+    pad_token_id: int | None = 0
+    eos_token_id: int | None = 1
 
     def __init__(self) -> None:
         words: set[str] = set(WORDS) | {str(i) for i in range(10)} | {"image"}
@@ -69,6 +73,13 @@ class WordTokenizer:
 
     def __len__(self) -> int:
         return len(self.vocab)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self(text)
 
     def __call__(self, text: str) -> list[int]:
         try:

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.inference.hf import make_cache
-from slipstream.inference.sampling import SamplingPolicy, next_tokens
+from slipstream.inference.hf import make_cache, select_rows
+from slipstream.models.decoding import GenerationRequest, ModelDriver, decode
 from slipstream.models.lora import LoRALinear, apply_lora_, fused_lora
+from slipstream.models.sampling import SamplingPolicy
 from slipstream.models.vit import ViTSegmenter
 from slipstream.multimodal.attention import IMAGE, PAD, TEXT, MMCAMode
 from slipstream.multimodal.lm import ExtendedEmbedding, GPTDecoder, make_decoder
@@ -289,9 +290,11 @@ class VisualChat(nn.Module):
     ) -> torch.Tensor:
         """Continue each conversation by up to ``max_new_tokens`` text tokens ``[B, n]``.
 
-        A transformers LM decodes against its KV cache (new tokens are text queries over the
-        cached keys, with their token types appended); slipstream's GPT, which has no cache,
-        recomputes the context each step. Rows that emitted ``eos_token_id`` repeat it.
+        Runs slipstream's decode loop (:mod:`slipstream.models.decoding`) with a driver that
+        decodes from the assembled embeddings: a transformers LM against its KV cache (new
+        tokens are text queries over the cached keys, with their token types appended);
+        slipstream's GPT decoder recomputes the context each step. Rows that emitted
+        ``eos_token_id`` repeat it (it is the request's pad token).
         """
         args = (input_ids, images, image_counts, max_new_tokens, attention_mask, eos_token_id)
         if not any(isinstance(m, LoRALinear) for m in self.lm.modules()):
@@ -311,28 +314,80 @@ class VisualChat(nn.Module):
         generator: torch.Generator | None,
     ) -> torch.Tensor:
         policy = sampling or SamplingPolicy()
+        if policy.repetition_penalty != 1.0:
+            raise ValueError(
+                f"VisualChat.generate: sampling.repetition_penalty={policy.repetition_penalty} "
+                "is not supported (the prompt is embeddings, image tokens have no ids to "
+                "penalize); use 1.0"
+            )
         a = self.assemble(input_ids, images, image_counts, attention_mask, left_pad=True)
-        embeds, types, positions = a.embeds, a.token_types, a.position_ids
-        cache: Any = (
-            None if isinstance(self.decoder, GPTDecoder) else make_cache(self.lm, "dynamic", 0)
+        prompt = a.token_types.shape[1]
+        # The loop reads ids only for the repetition penalty and the output; the driver
+        # decodes the prompt from its embeddings, so placeholder ids stand in for them.
+        req = GenerationRequest(
+            input_ids=torch.zeros_like(a.token_types, dtype=torch.long),
+            attention_mask=(a.token_types != PAD).long(),
+            max_new_tokens=max_new_tokens,
+            sampling=policy,
+            eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+            pad_token_id=0 if eos_token_id is None else eos_token_id,  # ended rows repeat EOS
+            generator=generator,
         )
-        logits = self.decoder.logits(embeds, types, positions, cache)[:, -1]
-        out: list[torch.Tensor] = []
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            token = next_tokens(logits, policy, generator=generator)
-            if eos_token_id is not None:
-                token = torch.where(done, eos_token_id, token)
-                done |= token == eos_token_id
-            out.append(token)
-            if bool(done.all()) or len(out) == max_new_tokens:
-                break
-            new = self.embed(token[:, None])
-            types = torch.cat([types, torch.full_like(types[:, :1], TEXT)], 1)
-            positions = torch.cat([positions, positions[:, -1:] + 1], 1)
-            if cache is None:
-                embeds = torch.cat([embeds, new], 1)
-                logits = self.decoder.logits(embeds, types, positions)[:, -1]
-            else:
-                logits = self.decoder.logits(new, types, positions[:, -1:], cache)[:, -1]
-        return torch.stack(out, 1) if out else input_ids.new_zeros(input_ids.shape[0], 0)
+        # Finished rows stay in the batch (as before the shared loop: the same draws).
+        out = decode(self, req, _EmbedsDriver(self, a).driver, finished="mask")
+        return out[:, prompt:].clone()
+
+
+class _EmbedsState:
+    """What the embeddings driver carries between steps: the batch's token types, and the
+    transformers cache or (the GPT, recomputing) the embeddings and positions so far."""
+
+    def __init__(self, a: Assembled, cache: Any) -> None:
+        self.embeds, self.types, self.positions = a.embeds, a.token_types, a.position_ids
+        self.cache = cache
+        self.prefilled = False
+
+
+class _EmbedsDriver:
+    """A :class:`~slipstream.models.decoding.ModelDriver` for VisualChat: the prompt is the
+    assembled embeddings (images projected in), each new token a text query, its type appended
+    to the token types the MMCA attention reads. A transformers LM decodes against its KV
+    cache; the GPT decoder recomputes the context each step."""
+
+    def __init__(self, chat: VisualChat, a: Assembled) -> None:
+        self.chat, self.a = chat, a
+        self.driver = ModelDriver(
+            self.last_logits, self.make_cache, self.select_rows,
+            lambda _model: chat.decoder.context_length,
+        )  # fmt: skip
+
+    def make_cache(self, _model: nn.Module, _kind: Any, _max_len: int) -> _EmbedsState:
+        recompute = isinstance(self.chat.decoder, GPTDecoder)
+        return _EmbedsState(self.a, None if recompute else make_cache(self.chat.lm, "dynamic", 0))
+
+    def last_logits(
+        self,
+        _model: nn.Module,
+        ids: torch.Tensor,
+        _mask: torch.Tensor,
+        positions: torch.Tensor,
+        st: _EmbedsState,
+    ) -> torch.Tensor:
+        decoder = self.chat.decoder
+        if not st.prefilled:
+            st.prefilled = True
+            return decoder.logits(st.embeds, st.types, st.positions, st.cache)[:, -1]
+        new = self.chat.embed(ids)
+        st.types = torch.cat([st.types, torch.full_like(st.types[:, :1], TEXT)], 1)
+        if st.cache is not None:
+            return decoder.logits(new, st.types, positions, st.cache)[:, -1]
+        st.embeds = torch.cat([st.embeds, new], 1)
+        st.positions = torch.cat([st.positions, positions], 1)
+        return decoder.logits(st.embeds, st.types, st.positions)[:, -1]
+
+    @staticmethod
+    def select_rows(st: _EmbedsState, rows: torch.Tensor) -> None:
+        st.embeds, st.types = st.embeds[rows], st.types[rows]
+        st.positions = st.positions[rows]
+        if st.cache is not None:
+            select_rows(st.cache, rows)

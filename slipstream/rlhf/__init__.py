@@ -1,9 +1,12 @@
 """RLHF on slipstream: the hybrid engine, DeepSpeed-Chat's three steps (SFT, reward model,
 PPO) and their data, LoRA and offload for its models, GRPO/RLOO, DPO, and the losses and estimators under them.
 
-``slipstream.rlhf.losses`` and ``slipstream.rlhf.advantages`` are pure functions on tensors
-(reward-model loss, KL-shaped rewards, GAE, PPO actor/critic losses, GRPO/RLOO advantages,
-DPO). See docs/rlhf.md.
+One module per algorithm (``sft``, ``reward``, ``ppo``, ``grpo``, ``dpo``; ``e2e`` chains
+DeepSpeed-Chat's three steps for ``slipstream chat``), all scoring through ``policy`` (a
+causal LM on a masked batch, per-token log-probabilities and entropy, sampling seeds, clip
+statistics). ``slipstream.rlhf.losses`` and ``slipstream.rlhf.advantages`` are pure functions
+on tensors (reward-model loss, KL-shaped rewards, GAE, PPO actor/critic losses, GRPO loss,
+GRPO/RLOO advantages, DPO). See docs/rlhf.md.
 """
 
 from __future__ import annotations
@@ -15,17 +18,6 @@ from slipstream.rlhf.advantages import (
     k3_kl,
     kl_shaped_rewards,
     rloo_advantages,
-)
-from slipstream.rlhf.chat import (
-    Experience,
-    PPOConfig,
-    PPOMetrics,
-    PPOTrainer,
-    RewardModel,
-    lm_batch_loss,
-    reward_step,
-    sequence_scores,
-    sft_step,
 )
 from slipstream.rlhf.data import (
     PairBatch,
@@ -48,15 +40,21 @@ from slipstream.rlhf.hybrid import GenerationStats, HybridEngine, enable_hybrid_
 from slipstream.rlhf.lora import LoRAPolicy, apply_lora_policy_, merge_lora_state_dict
 from slipstream.rlhf.losses import (
     DPOOutput,
+    GRPOLossOutput,
     RewardModelOutput,
     causal_lm_loss,
     dpo_loss,
+    grpo_loss,
     ppo_actor_loss,
     ppo_critic_loss,
     reward_model_loss,
     token_logprobs,
 )
 from slipstream.rlhf.offload import HostOffload, offload_frozen_
+from slipstream.rlhf.policy import entropy_from_logits, selective_log_softmax
+from slipstream.rlhf.ppo import Experience, PPOConfig, PPOMetrics, PPOTrainer
+from slipstream.rlhf.reward import RewardModel, reward_step, sequence_scores
+from slipstream.rlhf.sft import lm_batch_loss, sft_step
 
 __all__ = [
     "DPOConfig",
@@ -65,6 +63,7 @@ __all__ = [
     "DPOTrainer",
     "Experience",
     "GRPOConfig",
+    "GRPOLossOutput",
     "GRPOMetrics",
     "GRPOTrainer",
     "GenerationStats",
@@ -88,8 +87,10 @@ __all__ = [
     "dpo_loss",
     "ema_update_",
     "enable_hybrid_engine_",
+    "entropy_from_logits",
     "gae_advantages_and_returns",
     "grpo_advantages",
+    "grpo_loss",
     "k3_kl",
     "kl_shaped_rewards",
     "lm_batch_loss",
@@ -104,6 +105,7 @@ __all__ = [
     "reward_model_loss",
     "reward_step",
     "rloo_advantages",
+    "selective_log_softmax",
     "sequence_scores",
     "sft_batch",
     "sft_step",

@@ -20,7 +20,8 @@ from slipstream._logging import log_rank0
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
 from slipstream.rlhf.data import PairBatch
-from slipstream.rlhf.losses import dpo_loss, token_logprobs
+from slipstream.rlhf.losses import dpo_loss
+from slipstream.rlhf.policy import causal_lm_logits, micro_batches, selective_log_softmax
 from slipstream.runtime.engine import Engine
 
 __all__ = ["DPOConfig", "DPOMetrics", "DPOTrainer", "answer_logprob_sums"]
@@ -56,10 +57,10 @@ def answer_logprob_sums(
     model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor
 ) -> torch.Tensor:
     """``sum_t answer[t] log p(ids[t] | ids[<t])`` per row, ``[B]``: the log-probability of
-    each sequence's answer under ``model`` (a causal LM; ``answer`` marks answer tokens)."""
-    out = model(input_ids=ids, attention_mask=mask)
-    logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]
-    logp = token_logprobs(logits[:, :-1], ids[:, 1:])
+    each sequence's answer under ``model`` (a causal LM; ``answer`` marks answer tokens).
+    Position ids count real tokens (:mod:`~slipstream.rlhf.policy`), so a left-padded pair
+    scores as its right-padded copy does."""
+    logp = selective_log_softmax(causal_lm_logits(model, ids, mask), ids[:, 1:])
     return (logp * answer[:, 1:].to(logp.dtype)).sum(1)
 
 
@@ -91,17 +92,13 @@ class DPOTrainer:
         engine, started = self.engine, time.perf_counter()
         gas = engine.gradient_accumulation_steps()
         n = batch.chosen_ids.shape[0]
-        if n % gas:
-            raise ConfigError(
-                f"DPOTrainer: {n} pairs do not split into gradient_accumulation_steps={gas} "
-                "equal micro-batches; pass a multiple of it"
-            )
+        chunks = micro_batches(n, gas, "DPOTrainer", "pairs")
         ids = torch.cat([batch.chosen_ids, batch.rejected_ids])
         mask = torch.cat([batch.chosen_mask, batch.rejected_mask])
         answer = torch.cat([batch.chosen_answer, batch.rejected_answer])
         engine.train()
         sums = torch.zeros(5)
-        for rows in torch.arange(n).chunk(gas):
+        for rows in chunks:
             both = torch.cat([rows, rows + n])  # the chosen rows, then their rejected rows
             with torch.no_grad():
                 ref = answer_logprob_sums(self.reference, ids[both], mask[both], answer[both])

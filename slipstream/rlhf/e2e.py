@@ -1,7 +1,7 @@
 """``slipstream chat``: DeepSpeed-Chat's three steps end to end (its ``e2e_rlhf.py``).
 
 Step 1 (SFT) trains the actor on its share of the preference records, step 2 a reward model
-on its share, step 3 PPO (:class:`~slipstream.rlhf.chat.PPOTrainer`) with the step-1 actor,
+on its share, step 3 PPO (:class:`~slipstream.rlhf.ppo.PPOTrainer`) with the step-1 actor,
 its frozen copy as the reference, the step-2 model as the critic and as the frozen reward
 model. Each step trains ``epochs`` passes over its share and saves its model under
 ``OUTPUT/step1_sft``, ``OUTPUT/step2_reward``, ``OUTPUT/step3_rlhf/actor`` (and ``critic``,
@@ -30,8 +30,6 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
-from slipstream.rlhf.chat import PPOConfig, PPOMetrics, PPOTrainer, RewardModel, reward_step
-from slipstream.rlhf.chat import sft_step as _sft_step
 from slipstream.rlhf.data import (
     PreferenceRecord,
     apply_chat_template,
@@ -54,6 +52,9 @@ from slipstream.rlhf.model_files import (
     save_model,
 )
 from slipstream.rlhf.offload import offload_frozen_
+from slipstream.rlhf.ppo import PPOConfig, PPOMetrics, PPOTrainer
+from slipstream.rlhf.reward import RewardModel, reward_step
+from slipstream.rlhf.sft import sft_step as _sft_step
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
 

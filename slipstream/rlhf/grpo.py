@@ -27,8 +27,17 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
-from slipstream.rlhf.advantages import grpo_advantages, k3_kl, rloo_advantages
-from slipstream.rlhf.losses import token_logprobs
+from slipstream.inference.request import trainer_request
+from slipstream.rlhf.advantages import grpo_advantages, rloo_advantages
+from slipstream.rlhf.losses import grpo_loss
+from slipstream.rlhf.policy import (
+    answer_logprobs,
+    clip_fraction,
+    entropy_from_logits,
+    masked_mean,
+    micro_batches,
+    sampling_seed,
+)
 from slipstream.runtime.engine import Engine
 
 __all__ = ["GRPOConfig", "GRPOMetrics", "GRPOTrainer", "RewardFn", "completion_mask"]
@@ -47,7 +56,10 @@ class GRPOConfig:
     max_new_tokens: int = 16
     """Longest answer generated."""
     temperature: float = 1.0
-    """Sampling temperature of generation."""
+    """Sampling temperature of generation, and of scoring: the policy's, the old policy's and
+    the reference's log-probabilities (and the entropy) are taken from the logits divided by
+    it, so the ratio and the KL are those of the distribution the answers were drawn from
+    (TRL's ``GRPOTrainer`` does the same). At 1 (the default) nothing is divided."""
     top_k: int | None = None
     """Sample from the k most likely tokens only (None: all)."""
     clip: float = 0.2
@@ -193,17 +205,19 @@ class GRPOTrainer:
         cfg, g = self.config, self.config.group_size
         ids, pmask = prompt_ids.repeat_interleave(g, 0), prompt_mask.repeat_interleave(g, 0)
         self.engine.eval()
-        seqs = self.engine.generate(
+        request = trainer_request(
+            self.engine.module,
             ids,
-            attention_mask=pmask,
+            pmask,
             max_new_tokens=cfg.max_new_tokens,
             do_sample=True,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
-            seed=cfg.seed + 100_003 * self.steps + 7919 * comm.get_rank(),
+            eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids,
+            seed=sampling_seed(cfg.seed, self.steps, comm.get_rank()),
         )
+        seqs = self.engine.hybrid_engine.run(request)
         self.engine.train()
         answer = completion_mask(seqs[:, ids.shape[1] :], self.eos_token_ids)
         return seqs, torch.cat([pmask, answer], dim=1), answer
@@ -232,16 +246,12 @@ class GRPOTrainer:
         return rewards
 
     # ----------------------------------------------------------------- internals
-    @staticmethod
-    def _answer_logits(
-        model: nn.Module, seqs: torch.Tensor, mask: torch.Tensor, answer_len: int
-    ) -> torch.Tensor:
-        """Logits predicting each answer token, ``[N, answer_len, V]``. Position ids count
-        real tokens only, as generation's do, so left padding changes nothing."""
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=seqs, attention_mask=mask, position_ids=positions)
-        logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]
-        return logits[:, -answer_len - 1 : -1]
+    def _logprobs(
+        self, model: nn.Module, seqs: torch.Tensor, mask: torch.Tensor, answer_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tempered logits, log-probabilities) of the answer tokens under ``model``, at the
+        sampling temperature (see :attr:`GRPOConfig.temperature`)."""
+        return answer_logprobs(model, seqs, mask, answer_len, self.config.temperature)
 
     @torch.no_grad()
     def _frozen_logprobs(
@@ -250,13 +260,11 @@ class GRPOTrainer:
         """Answer log-probabilities under the policy before any update (needed only for
         more than one update per batch; with one, the ratio is taken against the detached
         current values) and under the reference (when ``kl_coef`` > 0)."""
-        targets = seqs[:, -answer_len:]
         old = ref = None
         if self.config.updates_per_batch > 1:
-            old = token_logprobs(self._answer_logits(self.engine, seqs, mask, answer_len), targets)
+            old = self._logprobs(self.engine, seqs, mask, answer_len)[1]
         if self.reference is not None and self.config.kl_coef > 0:
-            logits = self._answer_logits(self.reference, seqs, mask, answer_len)
-            ref = token_logprobs(logits, targets)
+            ref = self._logprobs(self.reference, seqs, mask, answer_len)[1]
         return old, ref
 
     def _update(
@@ -268,40 +276,39 @@ class GRPOTrainer:
         old: torch.Tensor | None,
         ref: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One optimizer step over the batch, in ``gradient_accumulation_steps`` micro-batches.
-
-        Loss per answer: the mean over its tokens of ``-min(rho A, clip(rho) A) + kl_coef
-        k3``; the batch loss is the mean over answers (DeepSeekMath eq. 3). Returns the
-        (KL, entropy, clip fraction) token means.
-        """
+        """One optimizer step over the batch, in ``gradient_accumulation_steps`` micro-batches
+        of :func:`~slipstream.rlhf.losses.grpo_loss`. Returns the (KL, entropy, clip
+        fraction) token means."""
         cfg, engine = self.config, self.engine
         gas = engine.gradient_accumulation_steps()
-        if seqs.shape[0] % gas:
-            raise ConfigError(
-                f"GRPOTrainer: {seqs.shape[0]} answers per step do not split into "
-                f"gradient_accumulation_steps={gas} equal micro-batches; make prompts x "
-                "group_size a multiple of it"
-            )
+        chunks = micro_batches(
+            seqs.shape[0], gas, "GRPOTrainer", "answers per step",
+            "make prompts x group_size a multiple of it",
+        )  # fmt: skip
         answer_len = answer.shape[1]
         stats = torch.zeros(3)
-        for rows in torch.arange(seqs.shape[0]).chunk(gas):
-            logits = self._answer_logits(engine, seqs[rows], mask[rows], answer_len)
-            logp = token_logprobs(logits, seqs[rows, -answer_len:])
-            ratio = torch.exp(logp - (logp.detach() if old is None else old[rows]))
-            a = adv[rows].unsqueeze(1)
-            per_token = -torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
-            kl = k3_kl(logp, ref[rows]) if ref is not None else torch.zeros_like(logp)
-            per_token = per_token + cfg.kl_coef * kl
-            m = answer[rows].to(per_token.dtype)
-            loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).mean()
-            engine.backward(loss)
+        for rows in chunks:
+            logits, logp = self._logprobs(engine, seqs[rows], mask[rows], answer_len)
+            m = answer[rows]
+            out = grpo_loss(
+                logp, adv[rows], m,
+                old_logprobs=None if old is None else old[rows],
+                ref_logprobs=None if ref is None else ref[rows],
+                clip=cfg.clip, kl_coef=cfg.kl_coef,
+            )  # fmt: skip
+            engine.backward(out.loss)
             engine.step()
             with torch.no_grad():
-                logp_all = torch.log_softmax(logits.float(), -1)
-                entropy = -(logp_all.exp() * logp_all).sum(-1)
-                clipped = ((ratio - 1).abs() > cfg.clip).to(m.dtype)
+                entropy = entropy_from_logits(logits)
                 stats += (
-                    torch.stack([_mean(kl.detach(), m), _mean(entropy, m), _mean(clipped, m)]) / gas
+                    torch.stack(
+                        [
+                            masked_mean(out.kl, m),
+                            masked_mean(entropy, m),
+                            clip_fraction(out.ratio, cfg.clip, m),
+                        ]
+                    )
+                    / gas
                 )
         return stats
 
@@ -326,7 +333,3 @@ class GRPOTrainer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a") as f:
                 f.write(json.dumps(asdict(metrics)) + "\n")
-
-
-def _mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)

@@ -21,6 +21,7 @@ as DeepSpeed-Chat's PPO trainer calls it, ``engine.module.generate`` run through
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -34,6 +35,8 @@ from slipstream.config import ConfigError
 from slipstream.config.hybrid import HybridEngineConfig
 from slipstream.distributed import comm
 from slipstream.inference import generation, hf
+from slipstream.inference.request import build_request, call_arguments, check_length
+from slipstream.models.decoding import GenerationRequest, generation_request
 from slipstream.models.gpt import GPT
 from slipstream.models.lora import LoRALinear, fused_lora
 from slipstream.rlhf.hybrid_tp import TPGenerator
@@ -44,8 +47,7 @@ from slipstream.zero.sharded_store import unit_owner
 
 __all__ = ["GenerationStats", "HybridEngine", "enable_hybrid_engine_"]
 
-# Hugging Face ``generate`` arguments the hybrid engine consumes itself.
-_SYNC_ARGS = ("synced_gpus",)
+_GPT_GENERATE = inspect.signature(GPT.generate)
 
 
 @dataclass
@@ -98,30 +100,53 @@ class HybridEngine:
     def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Hugging Face ``generate`` semantics: ``[batch, prompt + new]`` token ids.
 
-        Takes the arguments of :func:`slipstream.inference.generate` (HF's names); the first
-        positional argument (or ``inputs=``) is ``input_ids``; ``synced_gpus`` is accepted
-        and not needed. Every rank of a ZeRO-3 engine must call it (each with its own
-        prompts). A prompt plus new tokens longer than ``hybrid_engine.max_out_tokens`` is
-        refused before any work.
+        ``engine.generate`` (and a Hugging Face module's ``generate``): takes the arguments
+        of :func:`slipstream.inference.generate` (HF's names); the first positional argument
+        (or ``inputs=``) is ``input_ids``; ``synced_gpus`` is accepted and not needed. Every
+        rank of a ZeRO-3 engine must call it (each with its own prompts). A prompt plus new
+        tokens longer than ``hybrid_engine.max_out_tokens`` is refused before any work.
         """
-        kwargs = _input_ids_kwargs(args, kwargs)
+        try:
+            req = build_request(self.engine.module, call_arguments(args, kwargs))
+        except ConfigError as e:
+            if self._tp is None:
+                raise
+            self._tp.refuse(str(e))  # every rank raises, none waits in a collective
+            raise
+        return self.run(req)
+
+    def module_generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """A reference GPT module's ``generate`` once the hybrid engine is on: a call
+        ``GPT.generate`` accepts (``generate(ids, max_new_tokens, temperature=..., top_k=...,
+        generator=...)``) means what it means there (``temperature`` 0: greedy, else
+        sampling); any other call is read as Hugging Face's, as :meth:`generate`."""
+        try:
+            call = _GPT_GENERATE.bind(None, *args, **kwargs)
+        except TypeError:
+            return self.generate(*args, **kwargs)
+        own = dict(call.arguments)
+        own.pop("self")
+        return self.run(generation_request(**own))
+
+    def run(self, req: GenerationRequest) -> torch.Tensor:
+        """Decode a typed request (the package's own callers: PPO, GRPO): ``[batch, prompt +
+        new]`` token ids, a copy that may enter a training forward."""
         if self._tp is not None:
-            return self._generate_tp(self._tp, kwargs)
+            return self._generate_tp(self._tp, req)
+        module = self.engine.module
+        check_length(
+            req, self.config.max_out_tokens, generation.driver_for(module).context_length(module)
+        )
         pinned = self.zero3 and self.config.pin_parameters
         started = time.perf_counter()
-        with gathered_model(self.engine.module) if pinned else nullcontext(), self._lora(pinned):
+        with gathered_model(module) if pinned else nullcontext(), self._lora(pinned):
             decode_started = time.perf_counter()
-            out = generation.generate(
-                self.engine.module,
-                max_out_tokens=self.config.max_out_tokens,
-                all_done=self._all_done(),
-                **kwargs,
-            )
+            out = generation.run(module, req, all_done=self._all_done())
             decoded = time.perf_counter() - decode_started
         self.stats.calls += 1
         self.stats.generate_seconds += decoded
         self.stats.gather_seconds += time.perf_counter() - started - decoded
-        self.stats.new_tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
+        self.stats.new_tokens += out.shape[0] * (out.shape[1] - req.input_ids.shape[1])
         # The decode loop runs under inference_mode; its output could not enter the training
         # forward that follows (autograd refuses inference tensors), so hand out a copy.
         return out.clone()
@@ -143,16 +168,16 @@ class HybridEngine:
             return nullcontext()
         return fused_lora(self.engine.module, keep_base=True)
 
-    def _generate_tp(self, tp: TPGenerator, kwargs: dict[str, Any]) -> torch.Tensor:
+    def _generate_tp(self, tp: TPGenerator, req: GenerationRequest) -> torch.Tensor:
         """``inference_tp_size`` > 1: the TP group builds its split copy (layer groups
         gathered once) and decodes the group's prompts together (:mod:`.hybrid_tp`)."""
         started, gathered = time.perf_counter(), tp.gather_seconds
-        out = tp.generate(kwargs, self.config.max_out_tokens)
+        out = tp.generate(req, self.config.max_out_tokens)
         building = tp.gather_seconds - gathered
         self.stats.calls += 1
         self.stats.gather_seconds += building
         self.stats.generate_seconds += time.perf_counter() - started - building
-        self.stats.new_tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
+        self.stats.new_tokens += out.shape[0] * (out.shape[1] - req.input_ids.shape[1])
         return out.clone()
 
     def _all_done(self) -> Callable[[bool], bool] | None:
@@ -167,24 +192,6 @@ class HybridEngine:
             return bool(flag.item() == 0.0)
 
         return all_done
-
-
-def _input_ids_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    if len(args) > 1:
-        raise ConfigError(
-            "generate takes the prompt ids as its only positional argument; pass the rest "
-            "by keyword (attention_mask=..., max_new_tokens=...)"
-        )
-    kwargs = {k: v for k, v in kwargs.items() if k not in _SYNC_ARGS}
-    if "inputs" in kwargs:
-        kwargs["input_ids"] = kwargs.pop("inputs")
-    if args:
-        if "input_ids" in kwargs:
-            raise ConfigError("generate: input_ids given both by position and by keyword")
-        kwargs["input_ids"] = args[0]
-    if not isinstance(kwargs.get("input_ids"), torch.Tensor):
-        raise ConfigError("generate: input_ids (a [batch, prompt] LongTensor) is required")
-    return kwargs
 
 
 def _zero3_group(module: nn.Module) -> Any:
@@ -220,7 +227,10 @@ def enable_hybrid_engine_(engine: Engine) -> HybridEngine:
     """Give ``engine`` (and its module) the hybrid engine's ``generate``, in place.
 
     Sets ``engine.hybrid_engine`` (the :class:`HybridEngine`, with its ``stats``),
-    ``engine.generate`` and ``engine.module.generate``.
+    ``engine.generate`` (Hugging Face's arguments) and ``engine.module.generate``, which
+    takes every call the module's own ``generate`` takes, with the same meaning (Hugging
+    Face's arguments for a transformers model; for the reference GPT ``GPT.generate``'s, and
+    Hugging Face's besides: :meth:`HybridEngine.module_generate`).
 
     Raises:
         ConfigError: a model that is not a causal LM, or tensor/sequence parallelism.
@@ -231,7 +241,8 @@ def enable_hybrid_engine_(engine: Engine) -> HybridEngine:
     # DeepSpeed-Chat's ``actor.module.generate(...)`` reaches the hybrid path too.
     object.__setattr__(engine, "hybrid_engine", hybrid)
     object.__setattr__(engine, "generate", hybrid.generate)
-    object.__setattr__(engine.module, "generate", hybrid.generate)
+    own = hybrid.module_generate if isinstance(engine.module, GPT) else hybrid.generate
+    object.__setattr__(engine.module, "generate", own)
     return hybrid
 
 

@@ -1,8 +1,8 @@
-"""RLHF losses as pure functions on tensors: reward model, PPO actor and critic, DPO.
+"""RLHF losses as pure functions on tensors: reward model, PPO actor and critic, GRPO, DPO.
 
 Formulas follow DeepSpeed-Chat (Yao et al. 2023, arXiv 2308.01320, step 2 and step 3) as the
-project spec (``specs/quantization-rlhf-multimodal.md`` section 3.2) writes them down, and DPO
-(Rafailov et al. 2023, eq. 7). Nothing here touches a model: callers pass log-probabilities,
+project spec (``specs/quantization-rlhf-multimodal.md`` section 3.2) writes them down, GRPO
+(Shao et al. 2024, DeepSeekMath eq. 3) and DPO (Rafailov et al. 2023, eq. 7). Nothing here touches a model: callers pass log-probabilities,
 values and rewards, so every formula is testable on made-up tensors.
 
 Shapes: ``B`` sequences, ``T`` positions. Masks are 1 for positions that count.
@@ -15,26 +15,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slipstream.rlhf.advantages import k3_kl
+from slipstream.rlhf.policy import masked_mean
+from slipstream.rlhf.policy import selective_log_softmax as token_logprobs
+
 __all__ = [
     "DPOOutput",
+    "GRPOLossOutput",
     "RewardModelOutput",
     "causal_lm_loss",
     "dpo_loss",
     "first_pad_index",
+    "grpo_loss",
     "ppo_actor_loss",
     "ppo_critic_loss",
     "reward_model_loss",
     "token_logprobs",
 ]
-
-
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``log p(labels[b, t] | ...)`` from ``logits [B, T, V]``: ``[B, T]`` (fp32).
-
-    The caller aligns them (for a causal LM: ``logits[:, :-1]`` with ``ids[:, 1:]``).
-    """
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -121,11 +118,6 @@ def reward_model_loss(
     )
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
 def ppo_actor_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -141,7 +133,7 @@ def ppo_actor_loss(
     ratio = torch.exp((logprobs - old_logprobs) * mask)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
-    return _masked_mean(torch.maximum(unclipped, clipped), mask)
+    return masked_mean(torch.maximum(unclipped, clipped), mask)
 
 
 def ppo_critic_loss(
@@ -154,7 +146,55 @@ def ppo_critic_loss(
     """Clipped value loss: ``0.5 sum m max((V-G)^2, (clip(V, V_old +- clip) - G)^2) / sum m``."""
     clipped = torch.maximum(torch.minimum(values, old_values + clip), old_values - clip)
     worst = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    return 0.5 * _masked_mean(worst, mask)
+    return 0.5 * masked_mean(worst, mask)
+
+
+@dataclass(frozen=True)
+class GRPOLossOutput:
+    """GRPO's loss on a batch of answers and the per-token terms it was made of.
+
+    Attributes:
+        loss: mean over answers of each answer's token mean (scalar, differentiable).
+        ratio: ``[B, T]`` policy ratio ``exp(logp - logp_old)``.
+        kl: ``[B, T]`` k3 KL estimate to the reference (0 without one), detached.
+    """
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    kl: torch.Tensor
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    clip: float = 0.2,
+    kl_coef: float = 0.0,
+) -> GRPOLossOutput:
+    """GRPO's objective (Shao et al. 2024, DeepSeekMath eq. 3), negated.
+
+    Per token ``-min(rho A, clip(rho, 1 - clip, 1 + clip) A) + kl_coef k3``; each answer's
+    loss is the mean over its tokens (``mask``), the batch loss the mean over answers.
+
+    Args:
+        logprobs: ``[B, T]`` the answers' log-probabilities under the policy (with grad).
+        advantages: ``[B]`` one advantage per answer (every token gets it).
+        mask: ``[B, T]`` 1 on answer tokens.
+        old_logprobs: the same before this batch's first update; None takes the detached
+            ``logprobs`` (one update per batch: the ratio is 1, its gradient the policy's).
+        ref_logprobs: the reference model's, for the KL term (None: no KL).
+    """
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    ratio = torch.exp(logprobs - old)
+    a = advantages.unsqueeze(1)
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+    kl = k3_kl(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
+    per_token = per_token + kl_coef * kl
+    m = mask.to(per_token.dtype)
+    loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).mean()
+    return GRPOLossOutput(loss=loss, ratio=ratio.detach(), kl=kl.detach())
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 from slipstream.distributed import comm
 from slipstream.inference import init_inference
 from slipstream.models import GPT, GPTConfig
-from tests.inference.conftest import VOCAB, left_padded, tiny_llama
+from tests._tiny_models import VOCAB, left_padded, tiny_llama
 
 LENGTHS = [3, 8, 5]
 NEW = 8

@@ -10,7 +10,7 @@ import pytest
 
 from slipstream.cli.main import main
 from slipstream.inference import generate
-from tests.inference.conftest import EOS, VOCAB, tiny_llama
+from tests._tiny_models import EOS, VOCAB, tiny_llama
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import slipstream
 from slipstream.config import ConfigError
 from slipstream.inference import InferenceConfig, init_inference
 from slipstream.quant import QuantLinear
-from tests.inference.conftest import left_padded, tiny_gpt2, tiny_llama
+from tests._tiny_models import left_padded, tiny_gpt2, tiny_llama
 
 
 def test_deepspeed_keys_are_accepted_and_init_inference_is_exported():
@@ -144,7 +144,7 @@ def test_non_hf_module_is_refused_with_the_reason():
 def test_cuda_graph_is_refused_where_it_cannot_run() -> None:
     """enable_cuda_graph needs a Hugging Face causal LM on a CUDA device (tests/cuda runs it)."""
     from slipstream.models import GPT, GPTConfig
-    from tests.inference.conftest import tiny_llama
+    from tests._tiny_models import tiny_llama
 
     with pytest.raises(ConfigError, match="not a CUDA device"):
         init_inference(tiny_llama(), enable_cuda_graph=True)

@@ -8,7 +8,7 @@ import torch
 
 from slipstream.config import ConfigError
 from slipstream.inference import generate, stream
-from tests.inference.conftest import PAD, left_padded, tiny_llama
+from tests._tiny_models import PAD, left_padded, tiny_llama
 
 LENGTHS = [7, 3, 5, 1]
 NEW = 12

@@ -10,7 +10,7 @@ from slipstream.inference.kernels import (
     PackedHeadLinear,
     fp32_gemm_for_half_weights_,
 )
-from tests.inference.conftest import left_padded, tiny_gpt2, tiny_llama
+from tests._tiny_models import left_padded, tiny_gpt2, tiny_llama
 
 
 def test_swap_keeps_weights_and_matches_the_native_bf16_product():

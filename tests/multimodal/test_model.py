@@ -156,6 +156,28 @@ def test_chat_generation_equals_full_recomputation(lm: str, lora: int) -> None:
         full = torch.cat([full, token.view(1, 1)], 1)
 
 
+@pytest.mark.parametrize("lm", ["gpt", "llama"])
+def test_ended_rows_repeat_eos_and_generation_stops_when_all_ended(lm: str) -> None:
+    """VisualChat runs the shared decode loop with its convention: a row that emitted EOS
+    repeats it (the loop writes the pad token; VisualChat's is its EOS) and decoding stops
+    when every row has ended; before its EOS a row has the tokens it has without one."""
+    chat = _chat(_llama() if lm == "llama" else _gpt()).eval()
+    ids, images, counts, mask, _ = _batch()
+    free = chat.generate(ids, images, counts, max_new_tokens=8, attention_mask=mask)
+    eos = int(free[0, 1])
+    out = chat.generate(
+        ids, images, counts, max_new_tokens=8, attention_mask=mask, eos_token_id=eos
+    )
+    ends = []
+    for got, want in zip(out, free):
+        hits = (want == eos).nonzero()
+        end = int(hits[0]) if hits.numel() else want.numel() - 1
+        ends.append(end)
+        assert torch.equal(got[: end + 1], want[: end + 1])
+        assert bool((got[end + 1 :] == eos).all())
+    assert out.shape[1] == max(ends) + 1
+
+
 def test_engine_zero2_trains_only_the_projection_and_keeps_no_state_for_frozen_parts() -> None:
     import slipstream
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from slipstream.cli.main import main
-from slipstream.cli.quant import GPT_CONFIG_FILE
 from slipstream.models import GPT, GPTConfig
+from slipstream.models.files import GPT_CONFIG_FILE
 from slipstream.quant import perplexity
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 3

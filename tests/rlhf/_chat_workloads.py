@@ -54,15 +54,9 @@ def records(n: int, seed: int) -> list[PreferenceRecord]:
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests._tiny_models import tiny_llama as build
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg)
+    return build(seed, vocab=VOCAB, hidden=32, context=32, eos=EOS, pad=PAD, bos=BOS, eval=False)
 
 
 def config(stage: int, lr: float, hybrid: bool = False, batch: int = 8) -> dict[str, Any]:
@@ -354,3 +348,17 @@ def empty_answers_checks() -> dict[str, Any]:
         "third_trained": third is not None,
         "reused": ppo._previous.reused,
     }
+
+
+def saved_state(directory: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a model ``slipstream chat`` saved (a reward model's value head as
+    ``v_head.weight``)."""
+    from pathlib import Path
+
+    from slipstream.models.files import load_gpt_state
+
+    state = dict(load_gpt_state(directory))
+    v_head = Path(directory) / "v_head.pt"
+    if v_head.is_file():
+        state["v_head.weight"] = torch.load(v_head, weights_only=True)["weight"]
+    return state

@@ -10,19 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-EOS, PAD, VOCAB = 5, 0, 96
+from tests._tiny_models import EOS, PAD, VOCAB
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests._tiny_models import tiny_llama as build
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg)
+    return build(seed, layers=3, eval=False)
 
 
 def config(stage: int, pin: bool = True) -> dict[str, Any]:
@@ -374,17 +368,13 @@ def grpo_demo(steps: int = 15) -> dict[str, float]:
     return result
 
 
-def all_checks() -> dict[str, Any]:
-    """Every engine-level RLHF check in one 2-rank world (its start-up, importing torch and
-    transformers in two processes, costs more than the checks). A failing check records its
-    error instead of its result, so the other tests still report."""
-    import time
-    import traceback
-
+def checks() -> dict[str, Any]:
+    """Every engine-level RLHF check of the 2-rank world, by name (what the tests mark with
+    ``@pytest.mark.rlhf_checks(name)`` and read with :func:`result`)."""
     from tests.rlhf import _chat_workloads as chat
     from tests.rlhf import _lora_workloads as lora
 
-    checks = {
+    return {
         "refusals": refusals,
         "dpo": chat.dpo_checks,
         "chat": chat.chat_checks,
@@ -398,11 +388,22 @@ def all_checks() -> dict[str, Any]:
         "tp_trip": tp_round_trip_checks,
         "tp_refusals": tp_refusals,
     }
+
+
+def run_checks(names: tuple[str, ...]) -> dict[str, Any]:
+    """The checks ``names`` in one 2-rank world (its start-up, importing torch and
+    transformers in two processes, costs more than most checks, so the selected tests share
+    it). A failing check records its error instead of its result, so the other tests still
+    report."""
+    import time
+    import traceback
+
+    table = checks()
     out: dict[str, Any] = {"seconds": {}}
-    for name, check in checks.items():
+    for name in names:
         started = time.perf_counter()
         try:
-            out[name] = check()
+            out[name] = table[name]()
         except Exception:
             out[name] = CheckFailed(traceback.format_exc())
         out["seconds"][name] = time.perf_counter() - started
@@ -419,6 +420,11 @@ def result(ranks: list[dict[str, Any]], name: str) -> list[Any]:
     import pytest
 
     for r in ranks:
+        if name not in r:
+            pytest.fail(
+                f"check {name!r} did not run in the RLHF world: mark the test "
+                f"@pytest.mark.rlhf_checks({name!r})"
+            )
         if isinstance(r[name], CheckFailed):
             pytest.fail(f"check {name!r} raised on a rank:\n{r[name]}")
     return [r[name] for r in ranks]

@@ -218,8 +218,7 @@ def chat_step3_with_lora(directory: str) -> dict[str, Any]:
     )  # fmt: skip
     summary = run_chat(opts)
 
-    def state(d: Path) -> dict[str, torch.Tensor]:
-        return torch.load(d / "model.pt", weights_only=True)
+    from tests.rlhf._chat_workloads import saved_state as state
 
     out = root / "out" / "step3_rlhf"
     return {

@@ -23,12 +23,14 @@ from tests.rlhf._chat_workloads import EOS, PAD, CharTokenizer, records
 from tests.rlhf._hybrid_workloads import result
 
 
+@pytest.mark.rlhf_checks("chat")
 def test_step1_sft_lowers_the_loss(rlhf_world):
     for r in result(rlhf_world, "chat"):
         losses = r["sft_losses"]
         assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, losses
 
 
+@pytest.mark.rlhf_checks("chat")
 def test_step2_reward_model_learns_the_preference(rlhf_world):
     for r in result(rlhf_world, "chat"):
         losses = r["rm_losses"]
@@ -36,6 +38,7 @@ def test_step2_reward_model_learns_the_preference(rlhf_world):
         assert losses[0] == pytest.approx(math.log(2.0), abs=0.1)  # an untrained head
 
 
+@pytest.mark.rlhf_checks("chat")
 def test_step3_ppo_trains_actor_and_critic_with_frozen_reference_and_reward(rlhf_world):
     """Three PPO steps, actor and critic at ZeRO-3, generation through the hybrid engine:
     finite metrics; KL exactly 0 on the first batch (actor = reference), positive after;
@@ -127,6 +130,7 @@ def test_ppo_config_refuses_one_token_answers():
 # ------------------------------------------------------------------ PPO extras
 
 
+@pytest.mark.rlhf_checks("ppo_extras")
 def test_ptx_term_adds_coef_times_the_lm_gradient_to_the_actor_update(rlhf_world):
     """Two actors, same weights and experience, SGD: the one given a PTX batch differs from
     the other by exactly -lr x ptx_coef x the gradient of the hand-written LM loss."""
@@ -138,6 +142,7 @@ def test_ptx_term_adds_coef_times_the_lm_gradient_to_the_actor_update(rlhf_world
         assert r["ptx_update_error"] < 1e-5  # ...by exactly its share
 
 
+@pytest.mark.rlhf_checks("ppo_extras")
 def test_align_overflow_skips_both_steps_when_either_model_overflows(rlhf_world):
     for r in result(rlhf_world, "ppo_extras"):
         plain = r["no_align_actor_inf"]  # without the option only the actor skips
@@ -183,6 +188,7 @@ def test_datasets_directories_load_or_name_the_missing_package(tmp_path):
         load_preference_records(data, "eval")
 
 
+@pytest.mark.rlhf_checks("empty_answers")
 def test_a_rank_with_only_empty_answers_does_not_desynchronize_zero3(rlhf_world):
     """Rank 1's answers are all empty: no experience yet -> both ranks skip the step; later
     -> both reuse their previous experience and train (no hang, no divergence error)."""

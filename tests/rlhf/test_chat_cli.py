@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slipstream.cli.main import main
-from tests.rlhf._chat_workloads import records
+from tests.rlhf._chat_workloads import records, saved_state
 
 SMALL = [
     "--batch-size", "2", "--max-seq-len", "12", "--max-prompt-len", "6",
@@ -31,10 +31,10 @@ def _write_data(directory: Path, n: int) -> Path:
 
 
 def _state(directory: Path) -> dict[str, torch.Tensor]:
-    return torch.load(directory / "model.pt", weights_only=True)
+    return saved_state(directory)
 
 
-def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path):
+def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path, capsys):
     data, out = _write_data(tmp_path / "data", 20), tmp_path / "out"
     cmd = [sys.executable, "-m", "slipstream.cli.main", "chat", "--actor", "gpt:tiny",
            "--reward", "gpt:tiny", "--data", str(data), "--output", str(out), "--step", "all",
@@ -60,9 +60,42 @@ def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path):
     assert set(actor) == set(sft) and "v_head.weight" in rm and set(critic) == set(rm)
     assert any(not torch.equal(actor[k], sft[k]) for k in sft)
     assert any(not torch.equal(critic[k], rm[k]) for k in rm)
-    assert json.loads((out / "step2_reward/slipstream_gpt.json").read_text())["reward"]
+    assert (out / "step2_reward/v_head.pt").is_file() and not (out / "step1_sft/v_head.pt").exists()
+    _evaluate_quantize_and_generate(tmp_path, out / "step3_rlhf/actor", capsys)
     pytest.importorskip("matplotlib")
     assert [p.name for p in (out / "step3_rlhf/plots").iterdir()] == ["summary.png"]
+
+
+def _evaluate_quantize_and_generate(tmp_path: Path, actor: Path, capsys) -> None:
+    """Regression: ``slipstream chat`` saved ``slipstream_gpt.json`` + ``model.pt``, which
+    neither ``slipstream quant eval`` (it read ``gpt_config.json`` + ``model.safetensors``) nor
+    ``slipstream generate`` (Hugging Face models only) could read. Both read what chat saves
+    now, with its character tokenizer."""
+    from slipstream.models.files import load_gpt, load_tokenizer
+
+    tok = load_tokenizer(actor)
+    text = " ".join(r.prompt + r.chosen for r in records(6, seed=9))
+    (tmp_path / "eval.txt").write_text(text)
+    capsys.readouterr()
+    rc = main(["quant", "eval", str(actor), "--text", str(tmp_path / "eval.txt"), "--seq-len",
+               "12", "--configs", "fp32,w8a8-int"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    rows = [line.split() for line in out.out.splitlines()]
+    ppl = {r[0]: float(r[1]) for r in rows if r and r[0] in ("fp32", "w8a8-int")}
+    assert set(ppl) == {"fp32", "w8a8-int"} and all(math.isfinite(v) for v in ppl.values())
+    assert ppl["fp32"] < tok.vocab_size  # trained: better than uniform over the vocabulary
+    prompt = records(1, seed=3)[0].prompt
+    generate = ["generate", str(actor), "--prompt", prompt, "--max-new-tokens", "4"]
+    assert main([*generate, "--quant", "w8a8-int-attn-float"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(generate) == 0
+    shown = capsys.readouterr().out
+    model = load_gpt(actor).eval()
+    ids = torch.tensor([tok.encode(prompt)])
+    greedy = model.generate(ids, 4, temperature=0.0)[0, ids.shape[1] :].tolist()
+    end = greedy.index(1) if 1 in greedy else len(greedy)  # the character tokenizer's EOS
+    assert shown.strip() == tok.decode(greedy[:end]).strip()
 
 
 def _chat(tmp_path: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> str:

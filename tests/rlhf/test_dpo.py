@@ -13,6 +13,7 @@ from slipstream.rlhf import DPOConfig
 from tests.rlhf._hybrid_workloads import result
 
 
+@pytest.mark.rlhf_checks("dpo")
 def test_reported_loss_equals_the_hand_computed_one(rlhf_world):
     """Step 4's loss (taken before its update) equals -log sigmoid(beta (margin_c -
     margin_r)) summed over answer tokens by hand from the same weights; step 1, with the
@@ -22,6 +23,7 @@ def test_reported_loss_equals_the_hand_computed_one(rlhf_world):
         assert r["metrics"][3].loss == pytest.approx(r["manual_loss"], abs=1e-5)
 
 
+@pytest.mark.rlhf_checks("dpo")
 def test_a_few_steps_raise_the_chosen_vs_rejected_margin(rlhf_world):
     for r in result(rlhf_world, "dpo"):
         assert r["margin_before"] == 0.0

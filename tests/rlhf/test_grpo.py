@@ -31,6 +31,7 @@ def test_grpo_config_refuses_bad_values(kwargs, match):
         GRPOConfig(**kwargs)
 
 
+@pytest.mark.rlhf_checks("grpo")
 def test_demo_raises_held_out_success_with_bounded_kl(rlhf_world):
     """examples/rlhf_grpo.py, 15 steps at 2 ranks (ZeRO-3, 4 prompts x 4 answers per rank):
     the keyword rule's success rate on each rank's held-out prompts rises well above the

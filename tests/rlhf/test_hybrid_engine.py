@@ -10,6 +10,7 @@ import torch
 from tests.rlhf._hybrid_workloads import result
 
 
+@pytest.mark.rlhf_checks("gen3")
 def test_generation_equals_the_unsharded_model_token_for_token(rlhf_world):
     """ZeRO-3: engine.generate, engine.module.generate (DeepSpeed-Chat's call) and the
     unpinned per-layer path all give the unsharded model's greedy tokens (slipstream's
@@ -21,6 +22,7 @@ def test_generation_equals_the_unsharded_model_token_for_token(rlhf_world):
             assert torch.equal(g[key], g["want"]), key
 
 
+@pytest.mark.rlhf_checks("gen3")
 def test_pinned_generation_gathers_once_per_call(rlhf_world):
     """Pinned: one gather (plus its unit check) per unit for the whole call, 4 units
     (root + 3 layers) -> 8 all-gathers whatever the length; unpinned: every model call
@@ -31,6 +33,7 @@ def test_pinned_generation_gathers_once_per_call(rlhf_world):
         assert g["unpinned_gathers"] == 80
 
 
+@pytest.mark.rlhf_checks("gen3")
 def test_training_layout_is_back_after_generation(rlhf_world):
     """After engine.train() every partitioned parameter is released again (1/N shard)."""
     for g in result(rlhf_world, "gen3"):
@@ -38,6 +41,7 @@ def test_training_layout_is_back_after_generation(rlhf_world):
         assert g["stats"].calls == 2 and g["stats"].new_tokens > 0
 
 
+@pytest.mark.rlhf_checks("trip3")
 def test_round_trips_leave_the_next_training_step_unchanged(rlhf_world):
     """ZeRO-3, 5 eval/generate/train cycles between two steps: same parameters as without
     them, and the shard layout after each cycle is the training layout (nothing stays
@@ -49,12 +53,14 @@ def test_round_trips_leave_the_next_training_step_unchanged(rlhf_world):
             assert torch.equal(p, t["cycled"][name]), name
 
 
+@pytest.mark.rlhf_checks("refusals")
 def test_models_and_layouts_it_cannot_serve_are_refused_at_initialize(rlhf_world):
     for errors in result(rlhf_world, "refusals"):
         assert "the model is a Linear, not a causal language model" in errors["not_causal"]
         assert "tensor_parallel.autotp_size=2" in errors["tp"]
 
 
+@pytest.mark.rlhf_checks("tp_gen")
 def test_tensor_parallel_generation_equals_the_unsharded_model_token_for_token(rlhf_world):
     """inference_tp_size 2 at world 2: both ranks form one TP group and decode the two
     ranks' prompts together (different widths, counts and contents per rank; rank 0 wants
@@ -81,6 +87,7 @@ def test_tensor_parallel_generation_equals_the_unsharded_model_token_for_token(r
     assert rank0_eos.shape[1] < 5 + 6  # stopped early although the group went on
 
 
+@pytest.mark.rlhf_checks("tp_trip")
 def test_tensor_parallel_round_trips_leave_the_next_training_step_unchanged(rlhf_world):
     """ZeRO-3, inference_tp_size 2: 3 eval/generate/train cycles between two steps give
     the same parameters as no cycles."""
@@ -90,6 +97,7 @@ def test_tensor_parallel_round_trips_leave_the_next_training_step_unchanged(rlhf
             assert torch.equal(p, t["cycled"][name]), name
 
 
+@pytest.mark.rlhf_checks("tp_refusals")
 def test_inference_tp_size_not_dividing_the_world_or_heads_is_refused(rlhf_world):
     """At initialize: T not dividing the world or the heads, a model whose class cannot
     rebuild it (an added layer). At generate, on both ranks before any gather: a request

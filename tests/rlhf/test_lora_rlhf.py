@@ -13,6 +13,7 @@ import torch
 from tests.rlhf._hybrid_workloads import result
 
 
+@pytest.mark.rlhf_checks("lora_gen")
 def test_fused_generation_equals_the_unfused_model_token_for_token(rlhf_world):
     """ZeRO-3 pinned: every decode-step forward runs with the adapters fused, and the tokens
     are those of the unsharded model running x W^T + s x A^T B^T (which differ from the model
@@ -27,6 +28,7 @@ def test_fused_generation_equals_the_unfused_model_token_for_token(rlhf_world):
         assert g["unfused_after"]
 
 
+@pytest.mark.rlhf_checks("lora_gen")
 def test_only_lora_parameters_get_optimizer_state(rlhf_world):
     """only_optimize_lora: the optimizer trains exactly the adapter matrices, and its AdamW
     state (exp_avg, exp_avg_sq) covers this rank's half of them, nothing of the base."""
@@ -35,7 +37,13 @@ def test_only_lora_parameters_get_optimizer_state(rlhf_world):
         assert g["state_numel"] == 2 * g["lora_numel"] // 2
 
 
-@pytest.mark.parametrize("check", ["lora_trip3", "lora_trip3_full", "lora_trip2"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        pytest.param(name, marks=pytest.mark.rlhf_checks(name))
+        for name in ("lora_trip3", "lora_trip3_full", "lora_trip2")
+    ],
+)
 def test_generate_train_round_trips_leave_parameters_unchanged(rlhf_world, check):
     """3 fused eval/generate/train cycles between two training steps give the parameters of
     a run without them, bit for bit: ZeRO-3 with frozen (replicated) base weights, ZeRO-3
@@ -47,6 +55,7 @@ def test_generate_train_round_trips_leave_parameters_unchanged(rlhf_world, check
             assert torch.equal(p, t["cycled"][name]), name
 
 
+@pytest.mark.rlhf_checks("lora_ppo")
 def test_ppo_with_lora_actor_and_critic_and_offloaded_frozen_models(rlhf_world):
     """Two PPO steps: the critic trains its adapters and v_head only; the actor's adapters
     move while its base weights and the reference stay bit-for-bit; the reference and the

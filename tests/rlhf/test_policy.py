@@ -1,0 +1,178 @@
+"""The RLHF policy core: position ids from the mask (DPO scored left-padded pairs at the wrong
+positions before it went through the core), per-token log-probabilities and entropy, and
+GRPO's scoring temperature (the distribution the answers were sampled from)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.models import GPT, GPTConfig
+from slipstream.rlhf.dpo import answer_logprob_sums
+from slipstream.rlhf.losses import grpo_loss
+from slipstream.rlhf.policy import (
+    answer_logprobs,
+    clip_fraction,
+    entropy_from_logits,
+    position_ids,
+    sampling_seed,
+    selective_log_softmax,
+)
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=32)
+    return GPT(cfg).eval()
+
+
+def _tiny_llama() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        eos_token_id=5, pad_token_id=0, bos_token_id=1,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=48, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+        eos_token_id=5, pad_token_id=0, bos_token_id=1,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+MODELS = {"gpt": _gpt, "llama": _tiny_llama, "gpt2": _tiny_gpt2}
+
+
+def _pair_padded_both_ways() -> tuple[torch.Tensor, ...]:
+    """Two sequences (prompt + answer) of lengths 7 and 4 in a width of 9, right-padded and
+    left-padded, with their answer masks."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(6, 48, (n,), generator=g) for n in (7, 4)]
+    answers = [3, 2]  # the last tokens of each row are its answer
+    shapes = []
+    for left in (False, True):
+        ids = torch.zeros(2, 9, dtype=torch.long)
+        mask, answer = torch.zeros_like(ids), torch.zeros_like(ids)
+        for i, (row, a) in enumerate(zip(rows, answers)):
+            cols = slice(9 - len(row), 9) if left else slice(0, len(row))
+            ids[i, cols], mask[i, cols] = row, 1
+            end = cols.stop
+            answer[i, end - a : end] = 1
+        shapes.append((ids, mask, answer))
+    (ri, rm, ra), (li, lm, la) = shapes
+    return ri, rm, ra, li, lm, la
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_dpo_scores_a_left_padded_pair_as_its_right_padded_copy(kind):
+    """Regression: DPO called the model without position ids, so a left-padded pair's tokens
+    sat at shifted positions and got other log-probabilities than the same pair
+    right-padded (PPO and GRPO passed them). Through the core both agree."""
+    model = _gpt() if kind == "gpt" else _tiny_llama()
+    ri, rm, ra, li, lm, la = _pair_padded_both_ways()
+    with torch.no_grad():
+        right = answer_logprob_sums(model, ri, rm, ra)
+        left = answer_logprob_sums(model, li, lm, la)
+        # What the old code computed for the left-padded pair: no position ids.
+        out = model(input_ids=li, attention_mask=lm)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        old = (selective_log_softmax(logits[:, :-1], li[:, 1:]) * la[:, 1:]).sum(1)
+    torch.testing.assert_close(left, right, rtol=1e-4, atol=1e-4)
+    if kind == "gpt2":
+        assert (old - right).abs().max() > 1e-2  # the defect the test guards against
+
+
+def test_position_ids_count_real_tokens():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_log_probs_entropy_and_clip_fraction_by_hand():
+    logits = torch.tensor([[[1.0, 2.0, 0.5], [0.0, 0.0, 0.0]]])
+    p = F.softmax(logits, -1)
+    torch.testing.assert_close(
+        selective_log_softmax(logits, torch.tensor([[1, 2]])),
+        torch.log(torch.stack([p[0, 0, 1], p[0, 1, 2]])).unsqueeze(0),
+    )
+    torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
+    assert entropy_from_logits(logits)[0, 1].item() == pytest.approx(math.log(3))
+    ratio = torch.tensor([[1.0, 1.3, 0.7, 1.1]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert clip_fraction(ratio, 0.2, mask).item() == pytest.approx(2 / 3)
+    assert sampling_seed(7, 2, 1) == 7 + 2 * 100_003 + 7919
+
+
+def test_grpo_loss_is_the_token_mean_per_answer_then_the_answer_mean():
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]], requires_grad=True)
+    ref = torch.tensor([[-1.1, -2.0, -0.4], [-0.3, -0.5, -0.1]])
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    out = grpo_loss(logp, adv, mask, ref_logprobs=ref, clip=0.2, kl_coef=0.1)
+    d = ref - logp.detach()
+    k3 = torch.exp(d) - d - 1
+    per_token = -adv.unsqueeze(1) + 0.1 * k3  # ratio 1 with one update per batch
+    want = ((per_token[0, :2]).mean() + per_token[1].mean()) / 2
+    assert out.loss.item() == pytest.approx(want.item(), rel=1e-6)
+    out.loss.backward()
+    assert logp.grad is not None and logp.grad[0, 2] == 0  # the padding token has no say
+
+
+def test_grpo_scores_at_the_sampling_temperature():
+    """GRPO samples at ``temperature`` and scores at it too (TRL's choice): the trainer's
+    old-policy log-probabilities are those of the distribution ``generate`` draws from,
+    measured on 3000 one-token answers (total variation within sampling noise); the
+    untempered distribution is far from what was drawn."""
+    import slipstream
+    from slipstream.rlhf import GRPOConfig, GRPOTrainer
+
+    model = _tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # a peaked next-token distribution, not ~uniform
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 16},
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    t = 0.5
+    cfg = GRPOConfig(
+        group_size=3000, max_new_tokens=1, temperature=t, top_k=0, updates_per_batch=2,
+        kl_coef=0.0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(engine, lambda p, c: [0.0] * len(c), cfg)
+    prompt = torch.tensor([[7, 9, 11, 13]])
+    seqs, mask, answer = trainer.generate(prompt, torch.ones_like(prompt))
+    old, _ = trainer._frozen_logprobs(seqs, mask, 1)
+    assert old is not None
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits[0, -1].float()
+    drawn = torch.bincount(seqs[:, -1], minlength=logits.numel()).float() / seqs.shape[0]
+    tempered, untempered = F.softmax(logits / t, -1), F.softmax(logits, -1)
+    first = {}  # each sampled token's scored log-probability
+    for token, lp in zip(seqs[:, -1].tolist(), old[:, 0].tolist()):
+        first.setdefault(token, lp)
+    for token, lp in first.items():
+        assert math.exp(lp) == pytest.approx(float(tempered[token]), rel=1e-4)
+
+    def total_variation(p: torch.Tensor) -> float:
+        return 0.5 * float((drawn - p).abs().sum())
+
+    assert total_variation(tempered) < 0.04, total_variation(tempered)  # sampling noise
+    assert total_variation(untempered) > 0.08, total_variation(untempered)
+    assert answer.shape == (3000, 1)
+    # answer_logprobs at 1 is the untempered distribution (PPO and DPO score at 1).
+    with torch.no_grad():
+        _, logp1 = answer_logprobs(model, seqs[:1], mask[:1], 1)
+    assert math.exp(float(logp1[0, 0])) == pytest.approx(
+        float(untempered[int(seqs[0, -1])]), rel=1e-4
+    )
