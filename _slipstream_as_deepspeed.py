@@ -63,6 +63,8 @@ REDIRECTS: dict[str, str] = {
     # `accelerate launch --use_deepspeed` reads DEEPSPEED_ENVIRONMENT_NAME from here.
     "deepspeed.launcher": "slipstream.cli",
     "deepspeed.launcher.runner": "slipstream.cli.launcher",
+    # DeepSpeed's documented import of get_model_profile / FlopsProfiler.
+    "deepspeed.profiling.flops_profiler": "slipstream.profiling.flops",
 }
 """DeepSpeed module paths whose names slipstream keeps in another module."""
 
