@@ -14,7 +14,8 @@ active when it ran (``torch.utils.module_tracker``: forward and backward). What 
 - data movement (views, copies, cat, embedding look-ups, indexing) and the NLL gather: 0.
 
 Training MFU = (forward + backward FLOPs of a step) / step time / peak device FLOP/s. The peak
-comes from a table of accelerator data sheets, or on a CPU from a short measured matmul.
+comes from the accelerator data sheets (``slipstream.accelerator.peaks``), or on a CPU from a
+short measured matmul.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.utils.flop_counter import (
 from torch.utils.module_tracker import ModuleTracker
 
 from slipstream.accelerator import get_accelerator
+from slipstream.accelerator.peaks import data_sheet_peak
 
 __all__ = [
     "FlopsProfiler",
@@ -480,25 +482,12 @@ def training_flops(forward: int, backward: int, recompute_fwd_factor: float = 0.
 
 
 # --------------------------------------------------------------------------- peak FLOP/s
-# Dense peak FLOP/s from vendor data sheets (no sparsity), by device-name fragment.
-_PEAKS: dict[str, dict[torch.dtype, float]] = {
-    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
-    "MI250X": {torch.bfloat16: 383e12, torch.float16: 383e12, torch.float32: 47.9e12},
-    "V100": {torch.float16: 125e12, torch.float32: 15.7e12},
-}
-
-
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of ``device`` in ``dtype``: the data-sheet number for known accelerators,
-    a measured matmul rate on CPU (cached), None when unknown."""
+    """Peak FLOP/s of ``device`` in ``dtype``: the data-sheet number for known accelerators
+    (``slipstream.accelerator.peaks``, the table the planner's profiles read too), a measured
+    matmul rate on CPU (cached), None when unknown."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peaks in _PEAKS.items():
-            if fragment in name:
-                return peaks.get(dtype)
-        return None
+        return data_sheet_peak(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
         return _measured_cpu_peak(dtype)
     return None
