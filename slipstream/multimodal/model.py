@@ -290,8 +290,8 @@ class VisualChat(nn.Module):
         """Continue each conversation by up to ``max_new_tokens`` text tokens ``[B, n]``.
 
         A transformers LM decodes against its KV cache (new tokens are text queries over the
-        cached keys, with their token types appended); slipstream's GPT, which has no cache,
-        recomputes the context each step. Rows that emitted ``eos_token_id`` repeat it.
+        cached keys, with their token types appended); slipstream's GPT recomputes the context
+        each step (its KV-cache path does not run the MMCA cores). Rows that emitted ``eos_token_id`` repeat it.
         """
         args = (input_ids, images, image_counts, max_new_tokens, attention_mask, eos_token_id)
         if not any(isinstance(m, LoRALinear) for m in self.lm.modules()):
