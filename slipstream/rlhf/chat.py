@@ -23,9 +23,8 @@ EOS ids of its own, so :class:`PPOTrainer` takes them as arguments).
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from slipstream.rlhf.losses import (
     reward_model_loss,
     token_logprobs,
 )
+from slipstream.rlhf.step_log import log_step_metrics
 from slipstream.runtime.engine import Engine
 from slipstream.zero import GatheredParameters
 
@@ -533,7 +533,4 @@ class PPOTrainer:
             m.step, m.reward_mean, m.reward_std, m.kl, m.actor_loss, m.critic_loss,
             m.response_length, m.generate_s, m.score_s, m.train_s,
         )  # fmt: skip
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(asdict(m)) + "\n")
+        log_step_metrics(self.actor, "ppo", m, self.log_path)

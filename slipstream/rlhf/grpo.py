@@ -14,10 +14,9 @@ the batch (``engine.train()``). Every rank passes its own prompts.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +28,7 @@ from slipstream.config import ConfigError
 from slipstream.distributed import comm
 from slipstream.rlhf.advantages import grpo_advantages, k3_kl, rloo_advantages
 from slipstream.rlhf.losses import token_logprobs
+from slipstream.rlhf.step_log import log_step_metrics
 from slipstream.runtime.engine import Engine
 
 __all__ = ["GRPOConfig", "GRPOMetrics", "GRPOTrainer", "RewardFn", "completion_mask"]
@@ -322,10 +322,7 @@ class GRPOTrainer:
             metrics.train_s,
             metrics.tokens_per_s,
         )
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(asdict(metrics)) + "\n")
+        log_step_metrics(self.engine, "grpo", metrics, self.log_path)
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
