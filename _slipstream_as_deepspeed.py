@@ -60,6 +60,8 @@ REDIRECTS: dict[str, str] = {
     "deepspeed.runtime.pipe.module": "slipstream.pipe",
     "deepspeed.runtime.pipe.engine": "slipstream.pipe",
     "deepspeed.checkpoint.utils": "slipstream.utils.torch_save",
+    # DeepSpeed's documented import of get_model_profile / FlopsProfiler.
+    "deepspeed.profiling.flops_profiler": "slipstream.profiling.flops",
 }
 """DeepSpeed module paths whose names slipstream keeps in another module."""
 

@@ -50,9 +50,6 @@ from typing import Any
 import torch
 from torch import nn
 
-# Dense bf16 peaks from the datasheets (TFLOP/s), matched on the device name.
-_PEAKS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "H800": 989.4, "L40S": 362.0}
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -312,11 +309,11 @@ def run_engine(a: RunArgs, name: str, offload: bool, compile_: bool) -> Row:
 def _peak_tflops(device: torch.device) -> tuple[str, float]:
     if device.type != "cuda":
         return "cpu", 0.0
+    from slipstream.accelerator.peaks import data_sheet_peak
+
     name = torch.cuda.get_device_name()
-    for key, peak in _PEAKS.items():
-        if key in name:
-            return name, peak
-    return name, 0.0
+    peak = data_sheet_peak(name, torch.bfloat16)  # slipstream's one data-sheet table
+    return name, (peak or 0.0) / 1e12
 
 
 def measured_matmul_tflops(device: torch.device) -> float:

@@ -30,6 +30,7 @@ import torch
 
 import slipstream
 from slipstream.models import GPT, GPTConfig
+from slipstream.runtime.observers import TrainingEvents
 
 __all__ = ["main", "measure"]
 
@@ -83,8 +84,9 @@ def measure(preset: str, batch: int, seq: int, steps: int) -> dict[str, float]:
         engine.step()
     engine.monitor.flush()
     spent = [0.0]
-    engine._accumulate_loss = _timed(engine._accumulate_loss, spent)
-    engine._write_monitor = _timed(engine._write_monitor, spent)
+    events = next(o for o in engine.observers if isinstance(o, TrainingEvents))
+    events.on_loss = _timed(events.on_loss, spent)  # type: ignore[method-assign]
+    events.on_step = _timed(events.on_step, spent)  # type: ignore[method-assign]
     threads = _writer_threads(engine)
     cpu_before = sum(_thread_cpu_ns(t) for t in threads)
     start = time.perf_counter()

@@ -5,8 +5,9 @@ GenSLM-style recipe (DeepSpeed4Science, sec. "GenSLMs") at laptop scale: a LLaMA
 ``slipstream.initialize`` on synthetic genomes whose planted motifs are learnable
 (``slipstream.science.synthetic_genomes``). Each block is checkpointed
 (``GPTConfig.activation_checkpointing``), so activation memory grows with the sequence
-length by one hidden state per layer instead of all block internals. Sequence parallelism
-(the other half of the GenSLMs recipe) is not in slipstream yet.
+length by one hidden state per layer instead of all block internals. The other half of the
+GenSLMs recipe, sequence parallelism, is not used here: this example runs on one process, and
+slipstream's Ulysses and LSS sequence parallelism (docs/parallelism.md) is not wired into it.
 
 Then, unless ``--no-compare``, it measures one training step's peak memory of a deeper
 model (``--mem-layers``) at ``--mem-seq-len``, with and without checkpointing, each in a

@@ -173,6 +173,34 @@ def test_torch_distributed_only_in_the_comm_layer() -> None:
     )
 
 
+def _creates_groups(tree: ast.AST) -> list[int]:
+    """Lines that call ``new_group`` (``comm.new_group``, ``dist.new_group``, bare)."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == "new_group")
+            or (isinstance(node.func, ast.Name) and node.func.id == "new_group")
+        )
+    ]
+
+
+def test_process_groups_only_from_the_distributed_layer() -> None:
+    """Groups come from the mesh (slipstream/distributed/mesh.py: the training mesh,
+    consecutive_group, member_group); nothing above it creates one."""
+    wrong = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("distributed/"):
+            continue
+        wrong += [f"slipstream/{rel}:{n}" for n in _creates_groups(ast.parse(path.read_text()))]
+    assert not wrong, "new_group outside slipstream/distributed (use its mesh helpers):\n" + (
+        "\n".join(wrong)
+    )
+    assert _creates_groups(ast.parse("g = comm.new_group([0, 1], axis='tp')\n")) == [1]
+
+
 # Modules outside slipstream/accelerator that may name torch.cuda, and why. Everything else asks
 # get_accelerator(), so another accelerator needs one change (a new accelerator class).
 TORCH_CUDA_ALLOWED = {

@@ -60,6 +60,8 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_to_all_single",
+    "all_true",
+    "any_true",
     "axis_name",
     "barrier",
     "broadcast",
@@ -213,6 +215,32 @@ def all_reduce(
 
 def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group) == "gloo"
+
+
+def _flag_reduce(flag: bool, op: dist.ReduceOp.RedOpType, group: Group, label: str | None) -> bool:
+    if not is_initialized() or get_world_size(group) == 1:
+        return flag
+    # The group's backend decides where the byte lives (NCCL reduces only device tensors).
+    device = "cpu" if _is_gloo(group) else get_accelerator().current_device_name()
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    all_reduce(t, op=op, group=group, label=label)
+    return bool(t.item())
+
+
+def all_true(flag: bool, group: Group = None, label: str | None = None) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (one 4-byte all-reduce, MIN).
+
+    Every rank of the group must call it. Without a world, or in a group of one: ``flag``.
+    """
+    return _flag_reduce(flag, ReduceOp.MIN, group, label)
+
+
+def any_true(flag: bool, group: Group = None, label: str | None = None) -> bool:
+    """Whether ``flag`` holds on some rank of ``group`` (one 4-byte all-reduce, MAX).
+
+    Every rank of the group must call it. Without a world, or in a group of one: ``flag``.
+    """
+    return _flag_reduce(flag, ReduceOp.MAX, group, label)
 
 
 _ScratchKey = tuple[int, torch.dtype, torch.device]

@@ -1,4 +1,10 @@
-"""Parallel dimensions -> one DeviceMesh with named axes; groups are read from it."""
+"""Parallel dimensions -> one DeviceMesh with named axes; groups are read from it.
+
+Groups that lie outside the training mesh are made here too, so no code above
+``slipstream/distributed`` calls ``new_group`` (``tests/test_layering.py`` holds this): the
+tensor-parallel group of inference and of the hybrid engine's generation (consecutive ranks,
+:func:`consecutive_group`) and the groups of tied pipeline layers (:func:`member_group`).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from slipstream.accelerator import get_accelerator
 from slipstream.distributed import comm
 
-__all__ = ["MESH_AXES", "DeviceMesh", "ParallelDims", "build_mesh", "dp_group", "dp_sp_group"]
+__all__ = [
+    "MESH_AXES",
+    "DeviceMesh",
+    "ParallelDims",
+    "build_mesh",
+    "consecutive_group",
+    "dp_group",
+    "dp_sp_group",
+    "member_group",
+]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 
@@ -91,3 +106,35 @@ def dp_sp_group(mesh: DeviceMesh) -> comm.Group:
     if mesh["dp_replicate"].size() * mesh["dp_shard"].size() == 1:
         return mesh.get_group("sp")
     return mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp").get_group()
+
+
+def member_group(rank_lists: list[list[int]], axis: str) -> tuple[comm.Group, list[int]] | None:
+    """Create a group for each list of global ranks, in order; return this rank's group and its
+    ranks (None when this rank is in none of them). The lists should not overlap.
+
+    A collective call: every rank of the world makes it with the same lists, members or not.
+    Without a world (``torch.distributed`` not started) the groups are ``None``.
+    """
+    mine: tuple[comm.Group, list[int]] | None = None
+    rank = comm.get_rank()
+    for ranks in rank_lists:
+        group = comm.new_group(ranks, axis=axis)
+        if rank in ranks:
+            mine = (group, ranks)
+    return mine
+
+
+def consecutive_group(size: int, axis: str) -> comm.Group:
+    """This rank's group of ``size`` consecutive ranks (ranks 0..size-1, size..2*size-1, ...);
+    ``None``, the default group, when ``size`` is the whole world.
+
+    A collective call when ``size`` is less than the world (every rank creates every group).
+    The world size must be a multiple of ``size`` (the callers check it, naming their key).
+    """
+    world = comm.get_world_size()
+    if size == world:
+        return None
+    found = member_group(
+        [list(range(start, start + size)) for start in range(0, world, size)], axis
+    )
+    return None if found is None else found[0]

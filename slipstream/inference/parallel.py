@@ -27,6 +27,7 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
+from slipstream.distributed.mesh import consecutive_group
 from slipstream.inference.config import InferenceConfig
 from slipstream.inference.generation import RankSync
 from slipstream.inference.request import GenerationRequest
@@ -115,15 +116,7 @@ def _tp_group(cfg: InferenceConfig) -> comm.Group:
             f"init_inference: tensor_parallel.mpu ({type(tp_cfg.mpu).__name__}) has no "
             "get_tensor_model_parallel_group() or get_model_parallel_group(); pass tp_group"
         )
-    tp, world = cfg.tp_size, comm.get_world_size()
-    if world == tp:
-        return None  # the default group
-    mine: comm.Group = None
-    for start in range(0, world, tp):  # every rank creates every group (a collective)
-        group = comm.new_group(list(range(start, start + tp)), axis="tp")
-        if start <= comm.get_rank() < start + tp:
-            mine = group
-    return mine
+    return consecutive_group(cfg.tp_size, axis="tp")
 
 
 def parallelize_for_inference(model: nn.Module, cfg: InferenceConfig) -> TPRankSync:

@@ -160,8 +160,9 @@ class Decoder(Protocol):
 
 
 class GPTDecoder:
-    """slipstream's GPT with MMCA cores. It keeps no KV cache (its reference ``generate``
-    recomputes the context too), so ``cache`` must be None."""
+    """slipstream's GPT with MMCA cores. The GPT's KV-cache path (``cached_attention`` of
+    ``models/gpt_generation.py``) does not run the MMCA cores, so this decoder recomputes the
+    context each step and ``cache`` must be None."""
 
     def __init__(self, model: GPT, mode: MMCAMode) -> None:
         self.model, self.types = model, use_mmca_(model, mode)
@@ -180,7 +181,10 @@ class GPTDecoder:
         cache: Any | None = None,
     ) -> torch.Tensor:
         if cache is not None:
-            raise ValueError("GPTDecoder keeps no KV cache; recompute the context instead")
+            raise ValueError(
+                "GPTDecoder decodes without a KV cache (the GPT's cached attention does not "
+                "run the MMCA cores); recompute the context instead"
+            )
         gpt, t = self.model, embeds.shape[1]
         if t > self.context_length:
             raise ValueError(

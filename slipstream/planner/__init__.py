@@ -15,7 +15,7 @@ pipeline bubble), Korthikanti et al. 2022 (activation memory) and Rajbhandari et
 from slipstream.planner.flops import megatron_flops, model_flops, step_flops
 from slipstream.planner.hardware import BUILTIN_PROFILES, Hardware, load_hardware
 from slipstream.planner.layout import Layout, check_layout
-from slipstream.planner.memory import MemoryBreakdown, predict_memory
+from slipstream.planner.memory import PredictedMemory, predict_memory
 from slipstream.planner.model import (
     PRESETS,
     ModelSpec,
@@ -32,8 +32,8 @@ __all__ = [
     "PRESETS",
     "Hardware",
     "Layout",
-    "MemoryBreakdown",
     "ModelSpec",
+    "PredictedMemory",
     "Prediction",
     "StepTime",
     "check_layout",

@@ -3,7 +3,9 @@
 A profile is a JSON file (``slipstream/planner/profiles/<name>.json``; ``local`` is written by
 ``slipstream plan --calibrate`` into the user's cache). Each number carries its source in the
 file's ``sources`` block: vendor data sheets for peaks, and marked estimates for the achievable
-fractions, which the data sheets do not give.
+fractions, which the data sheets do not give. A profile names its ``accelerator`` instead of
+giving ``peak_tflops``: the peak then comes from the one data-sheet table,
+``slipstream.accelerator.peaks``, which the FLOPs profiler's MFU reads too.
 
 The model of a link is the alpha-beta one (Hockney 1994): moving ``n`` bytes costs
 ``latency + n / (bandwidth * efficiency)``. Intra-node links come in tiers by group size
@@ -20,6 +22,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from slipstream.accelerator.peaks import data_sheet
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -153,6 +159,7 @@ class Hardware:
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "profile") -> Hardware:
         """Parse a profile; a missing or unknown key is an error naming it and ``origin``."""
+        data = _peak_from_data_sheet(data, origin)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         optional = {"sources", "attention_efficiency", "reduce_scatter_scratch"}
@@ -179,6 +186,30 @@ class Hardware:
         return cls(
             gemm_tflops=points, intra_node=tiers, sources=dict(data.get("sources", {})), **fields
         )
+
+
+def _peak_from_data_sheet(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """``data`` with ``accelerator`` replaced by that accelerator's dense bf16 ``peak_tflops``
+    (and its source); unchanged without ``accelerator``."""
+    if "accelerator" not in data:
+        return data
+    data = dict(data)
+    name = data.pop("accelerator")
+    sheet = data_sheet(str(name))
+    peak = None if sheet is None else sheet.peaks.get(torch.bfloat16)
+    if sheet is None or peak is None:
+        raise ValueError(
+            f"hardware {origin}: accelerator {name!r} has no bf16 data sheet in "
+            "slipstream.accelerator.peaks; give peak_tflops instead"
+        )
+    if "peak_tflops" in data and not math.isclose(float(data["peak_tflops"]), peak / 1e12):
+        raise ValueError(
+            f"hardware {origin}: peak_tflops = {data['peak_tflops']} but the {name} data sheet "
+            f"says {peak / 1e12:g}; give one of accelerator and peak_tflops"
+        )
+    data["peak_tflops"] = peak / 1e12
+    data["sources"] = {**data.get("sources", {}), "peak_tflops": sheet.source}
+    return data
 
 
 def local_profile_path() -> Path:

@@ -24,28 +24,33 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from slipstream.config.zero import ZeroConfig
 from slipstream.planner.layout import Layout
 from slipstream.planner.model import ModelSpec
 from slipstream.zero.estimate import estimate_memory
+from slipstream.zero.prefetch import LOOKAHEAD
+from slipstream.zero.reducer import MAX_IN_FLIGHT
 
 __all__ = [
-    "MemoryBreakdown",
+    "PredictedMemory",
     "activation_bytes_per_layer",
     "in_flight_micro_batches",
     "predict_memory",
     "stage_params",
 ]
 
-_REDUCE_BUCKET = 500_000_000  # ZeroConfig.reduce_bucket_size default (elements)
-_PREFETCH_BUCKET = 50_000_000  # ZeroConfig.stage3_prefetch_bucket_size default
-_PREFETCH_UNITS = 8  # ZeRO-3 looks this many units ahead (slipstream.zero.stage3)
-_IN_FLIGHT = 2  # gradient buckets reducing at once (slipstream.zero.reducer.MAX_IN_FLIGHT)
+# The plan assumes the ZeRO config's defaults; each number is read from where ZeRO keeps it.
+_REDUCE_BUCKET: int = ZeroConfig.model_fields["reduce_bucket_size"].default  # elements
+_PREFETCH_BUCKET: int = ZeroConfig.model_fields["stage3_prefetch_bucket_size"].default
+_PREFETCH_UNITS = LOOKAHEAD  # ZeRO-3 looks this many units ahead
+_IN_FLIGHT = MAX_IN_FLIGHT  # gradient buckets reducing at once
 _STAGING = _IN_FLIGHT + 1  # gradient staging buckets alive at once
 
 
 @dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes on one device of the most loaded pipeline stage."""
+class PredictedMemory:
+    """Predicted bytes on one device of the most loaded pipeline stage (the engine's measured
+    counterpart is ``slipstream.runtime.memory_report.MemoryBreakdown``)."""
 
     stage: str
     """Which stage this is ("first", "last", or "only" without a pipeline)."""
@@ -260,13 +265,13 @@ def _grad_staging(bucket: int, numel: int, grad_bytes: int, scratch: bool) -> in
     return min(buckets * bucket, copies * numel) * grad_bytes
 
 
-def _stage_memory(model: ModelSpec, layout: Layout, stage: str, scratch: bool) -> MemoryBreakdown:
+def _stage_memory(model: ModelSpec, layout: Layout, stage: str, scratch: bool) -> PredictedMemory:
     numel = stage_params(model, layout, stage)
     states = _states(numel, layout)
     device_params = states["params"] - (states["params"] - states["hpz_secondary"]
                                         if layout.offload_param else 0)  # fmt: skip
     on_device_opt = 0 if layout.offload_optimizer else states["master"] + states["optimizer"]
-    return MemoryBreakdown(
+    return PredictedMemory(
         stage=stage,
         params=device_params,
         grads=states["grads"],
@@ -281,7 +286,7 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: str, scratch: bool) -
 
 def predict_memory(
     model: ModelSpec, layout: Layout, reduce_scatter_scratch: bool = False
-) -> MemoryBreakdown:
+) -> PredictedMemory:
     """Per-device memory of the most loaded stage (first or last; "only" without a pipeline).
 
     ``reduce_scatter_scratch``: the backend's reduce-scatter keeps a copy of its input

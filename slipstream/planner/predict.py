@@ -8,7 +8,7 @@ from typing import Any
 from slipstream.planner.flops import model_flops, step_flops
 from slipstream.planner.hardware import Hardware
 from slipstream.planner.layout import Layout, check_layout
-from slipstream.planner.memory import MemoryBreakdown, predict_memory
+from slipstream.planner.memory import PredictedMemory, predict_memory
 from slipstream.planner.model import ModelSpec
 from slipstream.planner.timing import StepTime, predict_step_time
 
@@ -22,7 +22,7 @@ class Prediction:
     model: ModelSpec
     hardware: Hardware
     layout: Layout
-    memory: MemoryBreakdown
+    memory: PredictedMemory
     time: StepTime
     hardware_flops: float
     """FLOPs executed per step, recomputation included (Megatron's 96/72 convention)."""

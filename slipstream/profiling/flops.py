@@ -14,7 +14,8 @@ active when it ran (``torch.utils.module_tracker``: forward and backward). What 
 - data movement (views, copies, cat, embedding look-ups, indexing) and the NLL gather: 0.
 
 Training MFU = (forward + backward FLOPs of a step) / step time / peak device FLOP/s. The peak
-comes from a table of accelerator data sheets, or on a CPU from a short measured matmul.
+comes from the accelerator data sheets (``slipstream.accelerator.peaks``), or on a CPU from a
+short measured matmul.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.utils.flop_counter import (
 from torch.utils.module_tracker import ModuleTracker
 
 from slipstream.accelerator import get_accelerator
+from slipstream.accelerator.peaks import data_sheet_peak
 
 __all__ = [
     "FlopsProfiler",
@@ -480,25 +482,12 @@ def training_flops(forward: int, backward: int, recompute_fwd_factor: float = 0.
 
 
 # --------------------------------------------------------------------------- peak FLOP/s
-# Dense peak FLOP/s from vendor data sheets (no sparsity), by device-name fragment.
-_PEAKS: dict[str, dict[torch.dtype, float]] = {
-    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
-    "MI250X": {torch.bfloat16: 383e12, torch.float16: 383e12, torch.float32: 47.9e12},
-    "V100": {torch.float16: 125e12, torch.float32: 15.7e12},
-}
-
-
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of ``device`` in ``dtype``: the data-sheet number for known accelerators,
-    a measured matmul rate on CPU (cached), None when unknown."""
+    """Peak FLOP/s of ``device`` in ``dtype``: the data-sheet number for known accelerators
+    (``slipstream.accelerator.peaks``, the table the planner's profiles read too), a measured
+    matmul rate on CPU (cached), None when unknown."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peaks in _PEAKS.items():
-            if fragment in name:
-                return peaks.get(dtype)
-        return None
+        return data_sheet_peak(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
         return _measured_cpu_peak(dtype)
     return None
@@ -519,6 +508,14 @@ def _measured_cpu_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 10) -> 
 
 
 # --------------------------------------------------------------------------- one call
+def _deepspeed_number(value: float, precision: int = 2) -> str:
+    """A count as DeepSpeed's ``get_model_profile`` returns it: ``"6.27 K"``, ``"808"``."""
+    for threshold, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if value >= threshold:
+            return f"{round(value / threshold, precision):g} {prefix}"
+    return f"{round(value, precision):g} "
+
+
 def get_model_profile(
     model: nn.Module,
     input_shape: tuple[int, ...] | None = None,
@@ -534,19 +531,27 @@ def get_model_profile(
     ignore_modules: Iterable[type[nn.Module]] | None = None,
     mode: str = "forward",
 ) -> tuple[int | str, int | str, int | str]:
-    """Profile one forward (or ``generate``) call of ``model``; DeepSpeed's function.
+    """Profile one forward (or ``generate``) call of ``model``; DeepSpeed's function, also at
+    DeepSpeed's import path ``deepspeed.profiling.flops_profiler``.
 
-    Give ``input_shape`` (a float tensor of that shape is the only argument) or ``args`` /
-    ``kwargs``. Returns ``(flops, macs, params)``, as strings when ``as_string``.
+    Give ``input_shape`` (a random tensor of that shape, in the model's dtype and on its
+    device, is the only argument) or ``args`` / ``kwargs``. As DeepSpeed does, the model is put
+    in eval mode (and left there) and called ``warm_up`` times before the profiled call.
+
+    Returns:
+        ``(flops, macs, params)`` of the forward pass; with ``as_string`` as DeepSpeed formats
+        them: ``("6.27 K", "3.07 KMACs", "808")``.
     """
     kwargs = dict(kwargs or {})
     if mode not in ("forward", "generate"):
         raise ValueError(f"get_model_profile(mode={mode!r}): use 'forward' or 'generate'")
+    model.eval()
     if input_shape is not None:
         if args or kwargs:
             raise ValueError("get_model_profile: give input_shape or args/kwargs, not both")
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        args = (torch.ones((), device=device).new_empty(input_shape).normal_(),)
+        first = next(model.parameters(), None)
+        like = torch.ones(()) if first is None else first
+        args = (like.new_empty(tuple(input_shape)).normal_(),)
     if not args and not kwargs:
         raise ValueError("get_model_profile needs input_shape, args or kwargs for the call")
     call: Callable[..., Any] = model
@@ -565,6 +570,7 @@ def get_model_profile(
         prof.stop_profile()
     if print_profile:
         prof.print_model_profile(
+            profile_step=warm_up,
             module_depth=module_depth,
             top_modules=top_modules,
             detailed=detailed,
@@ -574,8 +580,8 @@ def get_model_profile(
     prof.end_profile()
     if as_string:
         return (
-            number_to_string(int(flops), "FLOPs"),
-            number_to_string(int(macs), "MACs"),
-            number_to_string(int(params), ""),
+            _deepspeed_number(int(flops)),
+            _deepspeed_number(int(macs)) + "MACs",
+            _deepspeed_number(int(params)).replace("G", "B").strip(),
         )
     return flops, macs, params

@@ -8,9 +8,8 @@ sequences go through the model as one batch, so one forward and one backward ser
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from slipstream.distributed import comm
 from slipstream.rlhf.data import PairBatch
 from slipstream.rlhf.losses import dpo_loss
 from slipstream.rlhf.policy import causal_lm_logits, micro_batches, selective_log_softmax
+from slipstream.rlhf.step_log import log_step_metrics
 from slipstream.runtime.engine import Engine
 
 __all__ = ["DPOConfig", "DPOMetrics", "DPOTrainer", "answer_logprob_sums"]
@@ -127,7 +127,4 @@ class DPOTrainer:
             "dpo step %d: loss %.4f margin %.4f (chosen %.4f rejected %.4f) accuracy %.2f | %.2fs",
             m.step, m.loss, m.margin, m.chosen_reward, m.rejected_reward, m.accuracy, m.train_s,
         )  # fmt: skip
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(asdict(m)) + "\n")
+        log_step_metrics(self.engine, "dpo", m, self.log_path)

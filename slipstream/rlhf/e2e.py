@@ -55,6 +55,7 @@ from slipstream.rlhf.offload import offload_frozen_
 from slipstream.rlhf.ppo import PPOConfig, PPOMetrics, PPOTrainer
 from slipstream.rlhf.reward import RewardModel, reward_step
 from slipstream.rlhf.sft import sft_step as _sft_step
+from slipstream.rlhf.step_log import log_step_metrics
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.initialize import initialize
 
@@ -206,18 +207,17 @@ def _per_rank(engine: Engine) -> int:
 
 
 class _MetricsFile:
-    """A JSON-lines file rank 0 appends to (``slipstream plot`` reads it)."""
+    """A step's JSON-lines file, emptied at the start, and the engine's monitors (None: the
+    trainer writes them itself); ``slipstream plot`` reads both."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, engine: Engine | None, name: str) -> None:
+        self.path, self.engine, self.name = path, engine, name
         if comm.get_rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("")
 
     def write(self, row: dict[str, Any]) -> None:
-        if comm.get_rank() == 0:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+        log_step_metrics(self.engine, self.name, row, self.path)
 
 
 # ---------------------------------------------------------------------------- the steps
@@ -244,7 +244,7 @@ def _step1(run: _Run) -> None:
     model = load_lm(o.actor, run.actor_tok, run.max_len, o.seed)
     config = _engine_config(o.actor_config, o.batch_size, o.sft_lr, o.actor_zero_stage, None)
     engine, *_ = initialize(model=model, config=config)
-    data, metrics, step = run.share(1), _MetricsFile(run.out(1) / "metrics.jsonl"), 0
+    data, metrics, step = run.share(1), _MetricsFile(run.out(1) / "metrics.jsonl", engine, "sft"), 0
     for epoch in range(o.epochs_of(1)):
         for rows in _rank_batches(data, _per_rank(engine), epoch, o.seed, "step 1's share"):
             step += 1
@@ -262,7 +262,11 @@ def _step2(run: _Run) -> None:
     rm = load_reward_model(o.reward, run.reward_tok, run.max_len, o.seed)
     config = _engine_config(o.critic_config, o.batch_size, o.reward_lr, o.critic_zero_stage, None)
     engine, *_ = initialize(model=rm, config=config)
-    data, metrics, step = run.share(2), _MetricsFile(run.out(2) / "metrics.jsonl"), 0
+    data, metrics, step = (
+        run.share(2),
+        _MetricsFile(run.out(2) / "metrics.jsonl", engine, "reward"),
+        0,
+    )
     pad = int(run.reward_tok.pad_token_id)
     for epoch in range(o.epochs_of(2)):
         for rows in _rank_batches(data, _per_rank(engine), epoch, o.seed, "step 2's share"):
@@ -344,7 +348,7 @@ def _step3(run: _Run, actor_spec: str, reward_spec: str) -> None:
         _frozen(rm(), o.offload_reward_model), ppo, ema=ema, log_path=None,
         pad_token_id=int(tok.pad_token_id), eos_token_id=int(tok.eos_token_id),
     )  # fmt: skip
-    metrics = _MetricsFile(run.out(3) / "ppo.jsonl")
+    metrics = _MetricsFile(run.out(3) / "ppo.jsonl", None, "ppo")  # the trainer writes events
     ptx_texts = _read_texts(o.unsupervised_data) if o.unsupervised_data else None
     data, per_rank, last = run.share(3), _per_rank(actor), None
     for epoch in range(o.epochs_of(3)):

@@ -14,10 +14,9 @@ the batch (``engine.train()``). Every rank passes its own prompts.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +37,7 @@ from slipstream.rlhf.policy import (
     micro_batches,
     sampling_seed,
 )
+from slipstream.rlhf.step_log import log_step_metrics
 from slipstream.runtime.engine import Engine
 
 __all__ = ["GRPOConfig", "GRPOMetrics", "GRPOTrainer", "RewardFn", "completion_mask"]
@@ -329,7 +329,4 @@ class GRPOTrainer:
             metrics.train_s,
             metrics.tokens_per_s,
         )
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(asdict(metrics)) + "\n")
+        log_step_metrics(self.engine, "grpo", metrics, self.log_path)

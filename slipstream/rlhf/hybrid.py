@@ -187,9 +187,7 @@ class HybridEngine:
         group = self._sync_group
 
         def all_done(done: bool) -> bool:
-            flag = torch.tensor([0.0 if done else 1.0])
-            comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=group, label="hybrid_sync")
-            return bool(flag.item() == 0.0)
+            return comm.all_true(done, group=group, label="hybrid_sync")
 
         return all_done
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.distributed.mesh import consecutive_group
 from slipstream.distributed.placement import TPShard, tp_shard
 from slipstream.inference import generation
 from slipstream.inference.parallel import TPRankSync, check_tp_heads
@@ -98,7 +99,7 @@ class TPGenerator:
         _check_rebuildable(module)
         self.module, self.tp_size, self.gather_layers = module, tp_size, gather_layers
         self.zero3, self.device = zero3, device
-        self.group = _tp_group(tp_size, world)
+        self.group = consecutive_group(tp_size, axis="tp")
         self.sync = TPRankSync(self.group)
         self.gather_seconds = 0.0
 
@@ -232,18 +233,6 @@ def _join(parts: list[Any], rank: int) -> _GroupBatch:
         own_prompts=parts[rank][0].shape[0],
         max_new_tokens=max(p[2] for p in parts),
     )
-
-
-def _tp_group(tp: int, world: int) -> comm.Group:
-    """Consecutive ranks in groups of ``tp`` (every rank creates every group)."""
-    if tp == world:
-        return None  # the default group
-    mine: comm.Group = None
-    for start in range(0, world, tp):
-        group = comm.new_group(list(range(start, start + tp)), axis="tp")
-        if start <= comm.get_rank() < start + tp:
-            mine = group
-    return mine
 
 
 def _same_class(module: nn.Module) -> nn.Module:

@@ -19,9 +19,8 @@ EOS ids of its own, so :class:`PPOTrainer` takes them as arguments).
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from slipstream.rlhf.policy import (
 )
 from slipstream.rlhf.reward import sequence_scores
 from slipstream.rlhf.sft import lm_batch_loss
+from slipstream.rlhf.step_log import log_step_metrics
 from slipstream.runtime.engine import Engine
 from slipstream.zero import GatheredParameters
 
@@ -382,10 +382,7 @@ class PPOTrainer:
             m.step, m.reward_mean, m.reward_std, m.kl, m.actor_loss, m.critic_loss,
             m.response_length, m.generate_s, m.score_s, m.train_s,
         )  # fmt: skip
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(asdict(m)) + "\n")
+        log_step_metrics(self.actor, "ppo", m, self.log_path)
 
 
 def _all_ranks(flag: bool, device: torch.device) -> bool:

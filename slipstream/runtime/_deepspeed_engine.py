@@ -20,6 +20,7 @@ from torch import nn
 
 from slipstream.distributed import comm
 from slipstream.distributed.mesh import dp_group
+from slipstream.runtime._observer import EngineObserver
 
 if TYPE_CHECKING:
     from slipstream.config.schema import SlipstreamConfig
@@ -30,11 +31,11 @@ DEEPSPEED_STEPS_PER_PRINT = 10
 """What DeepSpeed's ``steps_per_print()`` returns when the config has no such key."""
 
 
-class ThroughputTimer:
+class ThroughputTimer(EngineObserver):
     """DeepSpeed's ``engine.tput_timer``: samples per second over optimizer steps, leaving out
     the first ``start_step`` steps (warm-up, compilation, allocator growth).
 
-    The engine calls :meth:`tick` once per optimizer step.
+    One of the engine's observers: it ticks once per optimizer step.
     """
 
     def __init__(self, batch_size: int, start_step: int = 2) -> None:
@@ -54,6 +55,9 @@ class ThroughputTimer:
             self.step_elapsed_time = now - self._last
             self.total_elapsed_time += self.step_elapsed_time
         self._last = now
+
+    def on_step(self, engine: Any) -> None:
+        self.tick()
 
     def update_epoch_count(self) -> None:
         """Count a finished epoch (DeepSpeed-Chat calls it after each)."""
@@ -107,9 +111,6 @@ class DeepSpeedEngineAttributes:
             timer = ThroughputTimer(self.train_batch_size())
             self.__dict__["_tput_timer"] = timer
         return timer
-
-    def _tick_throughput(self) -> None:
-        self.tput_timer.tick()
 
     @property
     def world_size(self) -> int:

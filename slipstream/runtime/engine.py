@@ -2,27 +2,27 @@
 
 Gradient reduction, sharding, precision and clipping live in the ZeRO optimizer and its
 reducer (``slipstream.zero``); the engine counts micro-steps, scales the loss and calls
-them in order, with DeepSpeed's method names.
+them in order, with DeepSpeed's method names. What watches training (timers, the FLOPs
+profiler, the memory breakdown, monitors, the comms logger, the throughput timer, the step
+line) is a list of observers built from the config (``slipstream.runtime.observers``) that the
+engine calls at each phase, loss, step and at ``destroy``.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from slipstream._logging import log_rank0, logger
-from slipstream.accelerator import get_accelerator
 from slipstream.checkpoint.api import PendingSave, finish_save, load_checkpoint, save_checkpoint
 from slipstream.config import ConfigError
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
-from slipstream.distributed.timeouts import set_device_sync
 from slipstream.precision import (
     NonFiniteGradientError,
     nonfinite_error_message,
@@ -32,8 +32,8 @@ from slipstream.profiling.monitor import MonitorMaster
 from slipstream.runtime._deepspeed_engine import DeepSpeedEngineAttributes
 from slipstream.runtime.compile import compile_module_
 from slipstream.runtime.memory_report import MemoryBreakdown
+from slipstream.runtime.observers import EngineObserver, build_observers, close_all, observed
 from slipstream.runtime.step_profiler import StepProfiler
-from slipstream.runtime.timers import StepTimers
 from slipstream.zero import ZeroOptimizer, gathered_model, save_16bit_model
 
 __all__ = ["Engine"]
@@ -73,29 +73,17 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         self._no_sync = False
         self._boundary_override: bool | None = None
         self._last_loss: torch.Tensor | None = None
-        self._timers = StepTimers(config.wall_clock_breakdown, device)
+        self._compiled = False
         self.monitor = MonitorMaster.from_config(config)
         """DeepSpeed's ``engine.monitor``: ``write_events([(name, value, step), ...])`` sends
         user scalars to the configured monitors (rank 0 only)."""
-        self._window_loss: torch.Tensor | None = None  # sum of this window's micro losses
-        self._window_micro = 0
-        self._last_print = time.perf_counter()
-        self.flops_profiler: StepProfiler | None = None
-        if config.flops_profiler.enabled and comm.get_rank() == 0:
-            dtype = next((p.dtype for p in module.parameters()), torch.float32)
-            self.flops_profiler = StepProfiler(
-                config.flops_profiler, module, device, dtype, config.batch[2]
-            )
-        comm.comm_counters.verbose = config.comms_logger.verbose
-        if not config.comms_logger.prof_all:
-            comm.comm_counters.prof_ops = set(config.comms_logger.prof_ops)
-        if config.comms_logger.enabled and device.type != "cpu":
-            set_device_sync(get_accelerator().synchronize)  # per-collective times, as DeepSpeed's
-        self._compiled = False
-        self._started: float | None = None  # the first forward: the comm summary's time base
-        self.memory: MemoryBreakdown | None = (
-            MemoryBreakdown(device) if config.memory_breakdown else None
+        self.observers: list[EngineObserver] = build_observers(
+            config, module, device, self.tput_timer
         )
+        """What watches training, built from the config (``slipstream.runtime.observers``)."""
+        self.flops_profiler: StepProfiler | None = _find(self.observers, StepProfiler)
+        """``flops_profiler`` (rank 0): the profiled step's FLOPs, the MFU of later steps."""
+        self.memory: MemoryBreakdown | None = _find(self.observers, MemoryBreakdown)
         """``memory_breakdown``: memory at the phase boundaries (``initialize`` sets the
         estimator)."""
 
@@ -163,19 +151,8 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             inputs = tuple(_cast_floats(x, torch.float16) for x in inputs)
             kwargs = {k: _cast_floats(v, torch.float16) for k, v in kwargs.items()}
-        if self._started is None:
-            self._started = time.perf_counter()
-        with self._timers.phase("forward"), self._profiled("forward"):
+        with observed(self.observers, self, "forward"):
             return self.module(*inputs, **kwargs)
-
-    @contextmanager
-    def _profiled(self, phase: str) -> Iterator[None]:
-        """The FLOPs profiler and the memory breakdown around one phase (when enabled)."""
-        flops = self.flops_profiler
-        with nullcontext() if flops is None else flops.phase(phase, self.global_steps):
-            yield
-        if self.memory is not None:
-            self.memory.record(phase)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss as ``backward`` would differentiate it (1/accumulation x loss scale)."""
@@ -199,13 +176,11 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
                 f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}: reduce "
                 "it first (e.g. loss.mean())"
             )
-        self._last_loss = loss.detach()
-        if self.monitor.active:
-            self._accumulate_loss(self._last_loss)
+        self._observe_loss(loss.detach())
         scaled = self.scale(loss)
         if not scale_wrt_gas and self.config.managed_gradient_accumulation:
             scaled = scaled * self.gradient_accumulation_steps()
-        with self._timers.phase("backward"), self._profiled("backward"):
+        with observed(self.observers, self, "backward"):
             try:
                 scaled.backward(retain_graph=retain_graph)
             except BaseException:
@@ -223,7 +198,7 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         opt = self._require_optimizer()
         error: NonFiniteGradientError | None = None
         if self.is_gradient_accumulation_boundary():
-            with self._timers.phase("step"), self._profiled("step"):
+            with observed(self.observers, self, "step"):
                 self._step_applied = opt.step()
             # As DeepSpeed: a skipped step leaves the lr schedule alone but counts as a step.
             if self._step_applied:
@@ -232,14 +207,10 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
             else:
                 self.skipped_steps += 1
                 error = self._report_skipped_step(opt)
-            if self.flops_profiler is not None:
-                self.flops_profiler.after_step(self.global_steps)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self._tick_throughput()
-            if self.monitor.active:
-                self._write_monitor()
-            self._maybe_print()
+            for observer in self.observers:
+                observer.on_step(self)
         self.micro_steps += 1
         self._boundary_override = None
         opt.disarm_backward()  # a later pass not run by this engine leaves .grad alone
@@ -376,20 +347,7 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         self.wait_for_checkpoint()
         if self.optimizer is not None:
             self.optimizer.destroy()
-        if self.config.comms_logger.enabled:
-            self._log_comm_summary()
-            set_device_sync(None)
-        self.monitor.close()  # last: a writer error it raises leaves nothing else undone
-
-    def _log_comm_summary(self) -> None:
-        """The comms_logger table at the end: time and bandwidth per collective, and its
-        share of the training time (first forward to now)."""
-        elapsed = time.perf_counter() - self._started if self._started is not None else None
-        log_rank0(
-            "communication summary (this rank, %s of training):\n%s",
-            f"{elapsed:.2f} s" if elapsed else "no",
-            comm.summary_table(elapsed),
-        )
+        close_all(self.observers, self)  # a monitor writer's error is raised after all close
 
     # ---------------------------------------------------------------------- helpers
     def _require_optimizer(self) -> ZeroOptimizer:
@@ -428,58 +386,15 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         log_rank0(skipped_step_message(step, norm, opt.loss_scaler), level=logging.WARNING)
         return None
 
-    def _accumulate_loss(self, loss: torch.Tensor) -> None:
-        """Sum the micro-batch losses of the accumulation window on the device (no sync).
+    def _observe_loss(self, loss: torch.Tensor) -> None:
+        """Keep ``loss`` (detached) for the step line and hand it to the observers."""
+        self._last_loss = loss
+        for observer in self.observers:
+            observer.on_loss(self, loss)
 
-        The first loss is copied (in fp32): the caller still holds it and may change it in
-        place (``dist.all_reduce(loss)`` for logging); each later sum is a new tensor.
-        """
-        if self._window_loss is None:
-            self._window_loss = loss.clone() if loss.dtype == torch.float32 else loss.float()
-        else:
-            self._window_loss = self._window_loss + loss
-        self._window_micro += 1
 
-    def _write_monitor(self) -> None:
-        """DeepSpeed's per-step events at ``global_samples`` (after this step): the mean loss
-        of the window, the lr of the first param group and, with fp16, the loss scale.
-
-        The loss stays a device tensor that only the engine holds (``_accumulate_loss``), so
-        it goes to the monitor uncopied: the monitor reads it in its next once-a-second batch.
-        """
-        step = self.global_samples
-        events: list[tuple[str, Any, int]] = []
-        if self._window_loss is not None:
-            loss, micro = self._window_loss, self._window_micro
-            events.append(("Train/Samples/train_loss", loss / micro if micro > 1 else loss, step))
-        events.append(("Train/Samples/lr", self.get_lr()[0], step))
-        if self.fp16_enabled():
-            events.append(("Train/Samples/loss_scale", self._require_optimizer().loss_scale, step))
-        self._window_loss, self._window_micro = None, 0
-        self.monitor.write_owned_events(events)
-
-    def _maybe_print(self) -> None:
-        every = self.config.steps_per_print
-        if not every or self.global_steps % every:
-            return
-        now = time.perf_counter()
-        elapsed, self._last_print = now - self._last_print, now
-        rate = every * self.train_batch_size() / max(elapsed, 1e-9)
-        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
-        norm = self.get_global_grad_norm()
-        msg = (
-            f"step={self.global_steps} loss={loss:.4f} lr={self.get_lr()} "
-            f"grad_norm={norm if norm is None else round(norm, 4)} samples/s={rate:.1f}"
-        )
-        if self.flops_profiler is not None:
-            msg += self.flops_profiler.mfu_report(every, elapsed)
-        if self.memory is not None:
-            msg += " | " + self.memory.report(self.optimizer)
-        if self.config.wall_clock_breakdown:
-            msg += " | " + self._timers.report(every)
-        log_rank0(msg)
-        if self.config.comms_logger.enabled:
-            comm.log_summary()
+def _find(observers: list[EngineObserver], kind: type[Any]) -> Any:
+    return next((o for o in observers if isinstance(o, kind)), None)
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:

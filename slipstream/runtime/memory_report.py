@@ -10,12 +10,15 @@ boundary and the peak since the previous line, and the model-state bytes this ra
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from slipstream.accelerator import get_accelerator, host_rss_bytes
+from slipstream.runtime._observer import EngineObserver
 from slipstream.zero import ZeroOptimizer
 
 __all__ = ["MemoryBreakdown"]
@@ -40,8 +43,9 @@ class _Point:
 
 
 @dataclass
-class MemoryBreakdown:
-    """Memory at the step boundaries of one engine (see the module docstring)."""
+class MemoryBreakdown(EngineObserver):
+    """Memory at the step boundaries of one engine (see the module docstring); an engine
+    observer."""
 
     device: torch.device
     estimator: Callable[[int], dict[str, int]] | None = None
@@ -49,6 +53,14 @@ class MemoryBreakdown:
     tensors per parameter (counted from the optimizer once it has stepped)."""
     points: dict[str, _Point] = field(default_factory=dict)
     peak_rss: int = 0
+
+    @contextmanager
+    def phase(self, engine: Any, name: str) -> Iterator[None]:
+        yield
+        self.record(name)
+
+    def on_print(self, engine: Any, steps: int, seconds: float) -> str:
+        return " | " + self.report(engine.optimizer)
 
     def record(self, phase: str) -> None:
         """Called by the engine when ``phase`` (forward/backward/step) ends."""

@@ -226,9 +226,7 @@ class PipelineEngine(Engine):
         self._reduce_tied_grads(opt)
         loss = self._mean_loss(run.losses, m)
         assert loss is not None
-        self._last_loss = loss
-        if self.monitor.active:  # the batch mean, already on every rank: no extra traffic
-            self._accumulate_loss(loss.detach())
+        self._observe_loss(loss.detach())  # the batch mean, on every rank: no extra traffic
         self._allowed = True
         try:
             self.set_gradient_accumulation_boundary(True)

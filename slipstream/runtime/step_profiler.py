@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,12 +21,14 @@ from slipstream.accelerator import get_accelerator
 from slipstream.config.monitor import FlopsProfilerConfig
 from slipstream.distributed import comm
 from slipstream.profiling.flops import FlopsProfiler, device_peak_flops, training_flops
+from slipstream.runtime._observer import EngineObserver
 
 __all__ = ["StepProfiler"]
 
 
-class StepProfiler:
-    """Drives a ``FlopsProfiler`` around the engine's phases (rank 0 only)."""
+class StepProfiler(EngineObserver):
+    """Drives a ``FlopsProfiler`` around the engine's phases (rank 0 only); an engine
+    observer."""
 
     def __init__(
         self,
@@ -51,9 +54,10 @@ class StepProfiler:
         return self.config.enabled and comm.get_rank() == 0
 
     @contextmanager
-    def phase(self, name: str, global_steps: int) -> Iterator[None]:
+    def phase(self, engine: Any, name: str) -> Iterator[None]:
         """Wrap the engine's ``forward`` / ``backward`` / ``step``."""
-        if name == "forward" and not self._done and global_steps == self.config.profile_step:
+        profile_now = engine.global_steps == self.config.profile_step
+        if name == "forward" and not self._done and profile_now:
             if not self._active and "forward" not in self._latency:
                 self.profiler.start_profile()
                 self._active = True
@@ -75,7 +79,13 @@ class StepProfiler:
                 self.profiler.stop_profile()
                 self._active = False
 
-    def after_step(self, global_steps: int) -> None:
+    def on_step(self, engine: Any) -> None:
+        self.after_step()
+
+    def on_print(self, engine: Any, steps: int, seconds: float) -> str:
+        return self.mfu_report(steps, seconds)
+
+    def after_step(self) -> None:
         """After the profiled optimizer step: print the profile and fix ``flops_per_step``."""
         if self._done or "step" not in self._latency:
             return

@@ -6,19 +6,20 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from slipstream.accelerator import get_accelerator
+from slipstream.runtime._observer import EngineObserver
 
 __all__ = ["StepTimers"]
 
 
-class StepTimers:
-    """Accumulates seconds per phase between reports; a no-op when disabled."""
+class StepTimers(EngineObserver):
+    """Accumulates seconds per phase between step lines (an engine observer)."""
 
-    def __init__(self, enabled: bool, device: torch.device) -> None:
-        self.enabled = enabled
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.totals: dict[str, float] = defaultdict(float)
 
@@ -27,10 +28,7 @@ class StepTimers:
             get_accelerator().synchronize(self.device.index)
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
+    def phase(self, engine: Any, name: str) -> Iterator[None]:
         self._sync()
         start = time.perf_counter()
         try:
@@ -38,6 +36,9 @@ class StepTimers:
         finally:
             self._sync()
             self.totals[name] += time.perf_counter() - start
+
+    def on_print(self, engine: Any, steps: int, seconds: float) -> str:
+        return " | " + self.report(steps)
 
     def report(self, steps: int) -> str:
         """Mean milliseconds per optimizer step of each phase since the last report."""

@@ -59,3 +59,34 @@ def collectives() -> dict[str, Any]:
     except RuntimeError as e:
         out["diverged"] = str(e)
     return out
+
+
+def flags_and_groups() -> dict[str, Any]:
+    """all_true / any_true over the world and a sub-group; the mesh's group helpers."""
+    from slipstream.distributed.mesh import consecutive_group, member_group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm.comm_counters.reset()
+    pair = consecutive_group(2, axis="tp")  # [0, 1], [2, 3]
+    out: dict[str, Any] = {
+        "pair": comm.get_world_size(pair),
+        "pair_axis": comm.axis_name(pair),
+        "whole_world": consecutive_group(world, axis="tp") is None,
+        "all_world": comm.all_true(rank != 3, label="flag"),
+        "any_world": comm.any_true(rank == 3, label="flag"),
+        "none_world": comm.any_true(False, label="flag"),
+        "every_world": comm.all_true(True, label="flag"),
+        # Ranks 2 and 3 share a group: only theirs sees rank 3's flag.
+        "all_pair": comm.all_true(rank != 3, group=pair, label="flag"),
+        "any_pair": comm.any_true(rank == 3, group=pair, label="flag"),
+    }
+    out["flag_bytes"] = sum(
+        ops.get("all_reduce", {}).get("bytes", 0) for ops in comm.log_summary().values()
+    )
+    found = member_group([[0, 2], [1, 3]], axis="pp")
+    assert found is not None
+    group, ranks = found
+    members = torch.tensor([float(rank)])
+    comm.all_reduce(members, group=group)
+    out["column"] = (ranks, members.item())
+    return out

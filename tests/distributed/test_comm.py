@@ -42,3 +42,18 @@ def test_world_of_one_leaves_no_master_port_for_child_processes():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_flags_and_the_mesh_group_helpers():
+    """comm.all_true / any_true agree across the ranks of the world or of a sub-group (4 bytes
+    each); consecutive_group gives consecutive ranks (None for the whole world);
+    member_group returns this rank's group and its ranks."""
+    results = run_world(w.flags_and_groups, 4)
+    for rank, r in enumerate(results):
+        assert r["pair"] == 2 and r["pair_axis"] == "tp" and r["whole_world"]
+        assert r["all_world"] is False and r["any_world"] is True
+        assert r["none_world"] is False and r["every_world"] is True
+        assert r["all_pair"] is (rank < 2) and r["any_pair"] is (rank >= 2)
+        assert r["flag_bytes"] == 6 * 4
+        ranks = [rank % 2, rank % 2 + 2]
+        assert r["column"] == (ranks, float(sum(ranks)))

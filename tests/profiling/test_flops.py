@@ -4,6 +4,12 @@ DeepSpeed's ``get_model_profile`` return values, and the engine's ``flops_profil
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -114,9 +120,65 @@ def test_get_model_profile_matches_deepspeed_signature(tmp_path: Path) -> None:
     text = out.read_text()
     assert "fwd FLOPs" in text and "0 (Linear)" in text
     as_text = get_model_profile(model, args=[torch.randn(4, 16)], print_profile=False)
-    assert as_text == ("6.27 KFLOPs", "3.07 KMACs", "808")
+    assert as_text == ("6.27 K", "3.07 KMACs", "808")  # DeepSpeed's formatting
     with pytest.raises(ValueError, match="input_shape, args or kwargs"):
         get_model_profile(model)
+
+
+_PROFILE_THROUGH_DEEPSPEED = textwrap.dedent(
+    """
+    import json
+    import torch
+    from torch import nn
+    from deepspeed.profiling.flops_profiler import FlopsProfiler, get_model_profile
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 10),
+        nn.ReLU(),
+    )
+    numbers = get_model_profile(model, input_shape=(8, 64), print_profile=False, as_string=False)
+    text = get_model_profile(model, args=[torch.randn(8, 64)], print_profile=False)
+    print(json.dumps({
+        "numbers": numbers, "text": text, "training": model.training,
+        "module": get_model_profile.__module__, "profiler": FlopsProfiler.__module__,
+    }))
+    """
+)
+
+
+def _profile_through_deepspeed(alias: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_AS_DEEPSPEED"}
+    env |= {"SLIPSTREAM_AS_DEEPSPEED": "1"} if alias else {"DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROFILE_THROUGH_DEEPSPEED],
+        env=env | {"OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_get_model_profile_at_deepspeeds_import_path() -> None:
+    """With SLIPSTREAM_AS_DEEPSPEED=1, DeepSpeed's documented import gives slipstream's
+    profiler (also as slipstream.profiling.get_model_profile); with DeepSpeed 0.19.8
+    installed, its own get_model_profile counts the same FLOPs, MACs and parameters of a
+    Linear/LayerNorm/GELU/Dropout/ReLU model and formats them the same."""
+    import slipstream.profiling
+
+    assert slipstream.profiling.get_model_profile is get_model_profile
+    ours = _profile_through_deepspeed(alias=True)
+    assert ours["module"] == ours["profiler"] == "slipstream.profiling.flops"
+    macs = 8 * 64 * 128 + 8 * 128 * 10
+    assert ours["numbers"][1] == macs and ours["numbers"][2] == 64 * 128 + 128 * 3 + 128 * 10 + 10
+    assert ours["training"] is False  # eval mode, as DeepSpeed leaves it
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed: checked against hand counts only")
+    theirs = _profile_through_deepspeed(alias=False)
+    assert theirs["module"].startswith("deepspeed.")
+    assert ours["numbers"] == theirs["numbers"] and ours["text"] == theirs["text"]
+    assert ours["training"] == theirs["training"]
 
 
 def test_engine_profiles_one_step_on_rank_zero(tmp_path: Path) -> None:

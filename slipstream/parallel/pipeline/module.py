@@ -22,6 +22,7 @@ from torch import nn
 
 from slipstream.config import ConfigError
 from slipstream.distributed import comm
+from slipstream.distributed.mesh import member_group
 from slipstream.distributed.placement import mark_duplicate_
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
 from slipstream.parallel.tensor import TPPlan, add_block_plan
@@ -331,7 +332,7 @@ class PipelineModule(nn.Module):
     def _tie_across_stages(self) -> None:
         """Create a group per (tied key, data-parallel column) and equalize the copies.
 
-        Every rank walks the same keys in the same order (``new_group`` is collective).
+        Every rank walks the same keys in the same order (creating a group is collective).
         """
         holders: dict[str, list[int]] = {}
         for k in range(self.num_stages * self.virtual_stages):
@@ -345,17 +346,20 @@ class PipelineModule(nn.Module):
             stages = sorted(holders[key])
             if len(stages) < 2:
                 continue
-            for col in range(self.stage_size):
-                ranks = [s * self.stage_size + col for s in stages]
-                group = comm.new_group(ranks, axis="pp")
-                if comm.get_rank() in ranks:
-                    self.tied_groups[key] = group
-                    self.tied_owner[key] = self.stage_id == stages[0]
-                    for p in self.tied_parameters(key):
-                        comm.broadcast(p.data, src=ranks[0], group=group, label=f"tied_{key}")
-                        if self.stage_id != stages[0]:
-                            # Counted once in the global gradient norm (the optimizer skips it).
-                            mark_duplicate_(p)
+            columns = [
+                [s * self.stage_size + col for s in stages] for col in range(self.stage_size)
+            ]
+            found = member_group(columns, axis="pp")
+            if found is None:
+                continue
+            group, ranks = found
+            self.tied_groups[key] = group
+            self.tied_owner[key] = self.stage_id == stages[0]
+            for p in self.tied_parameters(key):
+                comm.broadcast(p.data, src=ranks[0], group=group, label=f"tied_{key}")
+                if self.stage_id != stages[0]:
+                    # Counted once in the global gradient norm (the optimizer skips it).
+                    mark_duplicate_(p)
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         """The shared parameters of tied ``key`` on this rank."""
