@@ -17,6 +17,7 @@ import hashlib
 import os
 import re
 import socket
+import time
 import weakref
 from collections import defaultdict
 from datetime import timedelta
@@ -177,6 +178,52 @@ def _shutdown() -> None:
             except Exception as e:  # a peer already gone: nothing left to finish
                 logger.debug("exit hook failed: %s", e)
     destroy_process_group()
+    settle_comm_threads()
+
+
+_COMM_THREADS = ("pt_gloo", "gloo_")  # gloo's worker and transport threads (Linux names)
+
+
+def _runnable_comm_threads() -> int:
+    """How many of this process's gloo threads are running or waiting for a CPU (Linux)."""
+    count = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fp:
+                stat = fp.read()
+        except OSError:
+            continue
+        name, state = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :][:1]
+        count += name.startswith(_COMM_THREADS) and state == "R"
+    return count
+
+
+def settle_comm_threads(timeout_s: float = 2.0, quiet_polls: int = 3) -> bool:
+    """Let gloo's worker threads finish with their last work items before the interpreter
+    finalizes; returns False if they were still busy after ``timeout_s``.
+
+    ``destroy_process_group`` does not stop those threads while Python objects (an engine
+    the script still holds) reference the groups. A worker that finished a collective
+    still holds the work item, and when it lets go after the script dropped the tensors
+    (``all_gather_object``'s temporaries at the end of ``save_checkpoint``), freeing them
+    takes the GIL: during interpreter finalization that aborts the process ("terminate
+    called without an active exception", exit 134). On a loaded machine a worker can wait
+    long for a CPU in that window; so wait, with the GIL released, until none has been
+    runnable for ``quiet_polls`` polls 5 ms apart.
+    """
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < quiet_polls:
+        if time.monotonic() > deadline:
+            logger.debug("gloo threads still busy %.1f s after the process group ended", timeout_s)
+            return False
+        time.sleep(0.005)
+        quiet = quiet + 1 if _runnable_comm_threads() == 0 else 0
+    return True
 
 
 def destroy_process_group() -> None:
