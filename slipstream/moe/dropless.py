@@ -244,6 +244,11 @@ class DroplessMoE(nn.Module):
         """Give the layer its expert-parallel group (``expert_parallel_`` does this)."""
         self.ep_group = ep_group
 
+    @property
+    def expert_module(self) -> nn.Module:
+        """The module holding this rank's experts."""
+        return self.experts
+
     def update_bias_(self, group: comm.Group = None) -> None:
         """Apply the aux-loss-free balancing update (after an optimizer step)."""
         self.router.update_bias_(group)

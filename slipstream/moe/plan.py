@@ -20,6 +20,7 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.distributed.expert import ExpertGroups, expert_groups
 from slipstream.distributed.mesh import DeviceMesh
+from slipstream.moe.experts import mark_expert_params
 from slipstream.moe.utils import is_moe_param, moe_layers
 
 __all__ = ["clip_grad_norm_", "expert_parallel_", "reduce_gradients_", "routing_stats"]
@@ -39,6 +40,8 @@ def expert_parallel_(
     layers = moe_layers(model)
     out: dict[str, ExpertGroups] = {}
     for layer in layers:
+        # Again: replacing parameters (``to_empty`` after meta construction) drops the marks.
+        mark_expert_params(layer.expert_module, layer.expert_group_name)
         groups = expert_groups(mesh, layer.ep_size, data_before_expert)
         layer.set_ep_group(groups.ep_group)
         out[layer.expert_group_name] = groups
