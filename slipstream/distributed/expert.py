@@ -41,6 +41,10 @@ _CACHE: dict[tuple[int, int, bool], ExpertGroups] = {}
 _WORLD_MESH: list[DeviceMesh] = []
 
 
+def _dp(mesh: DeviceMesh) -> int:
+    return mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+
+
 def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh["sp"].size() > 1 or mesh["tp"].size() > 1:
         raise ValueError(
@@ -74,6 +78,8 @@ def expert_groups(
                 "`slipstream run --nproc` or set ep_size=1"
             )
         return ExpertGroups(1, None, None, 1)
+    if ep_size == 1:  # experts are replicated like dense parameters: no groups needed
+        return ExpertGroups(1, None, None, comm.get_world_size() if mesh is None else _dp(mesh))
     if mesh is None:
         if not _WORLD_MESH:
             _WORLD_MESH.append(build_mesh(ParallelDims(world_size=comm.get_world_size())))

@@ -1,6 +1,6 @@
 """Reference models: a LLaMA-style decoder and a ViT segmenter (adaptive patching), and LoRA."""
 
-from slipstream.models.gpt import GPT, GPTConfig
+from slipstream.models.gpt import GPT, GPTConfig, GPTMoEConfig
 from slipstream.models.lora import (
     LoRALinear,
     apply_lora_,
@@ -18,6 +18,7 @@ from slipstream.models.vit import ViTSegConfig, ViTSegmenter
 __all__ = [
     "GPT",
     "GPTConfig",
+    "GPTMoEConfig",
     "LoRALinear",
     "ViTSegConfig",
     "ViTSegmenter",

@@ -43,6 +43,13 @@ from slipstream.models.gpt_generation import (
     check_generation_ready,
     forward_for_generation,
 )
+from slipstream.models.gpt_moe import (
+    GPTMoEConfig,
+    MoEFeedForward,
+    active_matmul_params,
+    init_expert_weights,
+    is_moe_block,
+)
 from slipstream.models.gpt_plans import gpt_sp_plan, gpt_tp_plan
 from slipstream.models.kv_cache import KVCache, LayerKV
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
@@ -51,7 +58,7 @@ from slipstream.sequence import SPPlan
 from slipstream.zero.init import deferred_init_active
 from slipstream.zero.param import full_numel
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "GPTMoEConfig"]
 
 _PRESETS: dict[str, dict[str, int]] = {
     # ~0.13M parameters: unit tests.
@@ -109,6 +116,9 @@ class GPTConfig:
     "ulysses" (all-to-all, heads divisible by the sp size) or "lss" (all-gathered K/V).
     Inputs are then this rank's sequence segment; RoPE positions are offset by its start and
     the loss is the global mean. None, or no plan applied: an ordinary model."""
+    moe: GPTMoEConfig | None = None
+    """Mixture of experts: every ``moe.every``-th block's MLP becomes an MoE layer
+    (``slipstream.models.gpt_moe``); its auxiliary losses are added to the loss. None: dense."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -147,6 +157,12 @@ class GPTConfig:
             raise ConfigError(
                 f"GPTConfig.sequence_parallel={self.sequence_parallel!r} is not a sequence-"
                 "parallel attention; use 'ulysses', 'lss' or None"
+            )
+        if self.moe is not None and self.activation_checkpointing:
+            raise ConfigError(
+                "GPTConfig.moe with activation_checkpointing=True is not supported: the MoE "
+                "auxiliary loss would not be back-propagated through the recomputed blocks; "
+                "turn one of them off"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(
@@ -331,12 +347,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MLP(config)
+        if is_moe_block(config, index):
+            self.mlp = MoEFeedForward(config, self.mlp)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -380,7 +398,7 @@ class GPT(nn.Module):
         # construction + to_empty + init_weights() under the same seed, on any device.
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.positions: SequenceSpan = FullSequence()
@@ -450,6 +468,8 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        else:
+            init_expert_weights(module, std, std / math.sqrt(2 * self.config.num_layers))
 
     def _init_rope(self) -> None:
         # Angles in fp32 on the buffer's device (fp32 keeps large positions exact enough),
@@ -519,7 +539,13 @@ class GPT(nn.Module):
                 x = self.recompute_context.run(layer, x, cos, sin)
             else:
                 x = layer(x, cos, sin)
-        return self.output(self.lm_head(self.norm(x)), labels)  # type: ignore[no-any-return]
+        out: torch.Tensor = self.output(self.lm_head(self.norm(x)), labels)
+        if labels is not None and self.config.moe is not None:
+            for layer in self.layers:
+                aux = getattr(layer.mlp, "aux_loss", None)
+                if aux is not None:
+                    out = out + aux
+        return out
 
     def new_kv_cache(self, max_len: int) -> KVCache:
         """An empty KV cache for up to ``max_len`` positions (prompt plus new tokens)."""
@@ -597,5 +623,5 @@ class GPT(nn.Module):
         """
         cfg = self.config
         t = cfg.max_seq_len if seq_len is None else seq_len
-        n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        n_matmul = active_matmul_params(self)  # with experts: the k a token uses
         return 6 * n_matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t

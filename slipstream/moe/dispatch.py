@@ -130,9 +130,10 @@ def _regroup(counts: Tensor) -> Tensor:
 
 
 def run_local_experts(experts: nn.Module, rows: Tensor, counts: list[int]) -> Tensor:
-    """Each local expert on its block of ``rows`` (``counts[i]`` rows for expert ``i``)."""
-    outs = [experts.run(i, block) for i, block in enumerate(rows.split(counts))]  # type: ignore[operator]
-    return torch.cat(outs) if outs else rows
+    """Each local expert on its block of ``rows`` (``counts[i]`` rows for expert ``i``):
+    ``experts.run_grouped(rows, counts)``."""
+    out: Tensor = experts.run_grouped(rows, counts)  # type: ignore[operator]
+    return out
 
 
 def exchange_and_run(

@@ -46,6 +46,11 @@ class Experts(nn.Module):
         out = self.deepspeed_experts[i](tokens)
         return out[0] if isinstance(out, tuple) else out
 
+    def run_grouped(self, rows: Tensor, counts: list[int]) -> Tensor:
+        """Expert ``i`` on ``counts[i]`` consecutive rows of ``rows`` (every expert runs,
+        an empty block included, so each has a gradient)."""
+        return torch.cat([self.run(i, block) for i, block in enumerate(rows.split(counts))])
+
     def forward(self, inputs: Tensor) -> Tensor:
         chunks = inputs.chunk(self.num_local_experts, dim=1)
         return torch.cat([self.run(i, c) for i, c in enumerate(chunks)], dim=1)

@@ -121,6 +121,11 @@ class MoE(nn.Module):
             self.coefficient = nn.Linear(hidden_size, 2)
 
     @property
+    def expert_module(self) -> nn.Module:
+        """The module holding this rank's experts."""
+        return self.deepspeed_moe.experts
+
+    @property
     def stats(self) -> RoutingStats | None:
         """Routing statistics of the last forward (None before the first)."""
         return self.deepspeed_moe.stats

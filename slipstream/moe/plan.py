@@ -20,10 +20,10 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.distributed.expert import ExpertGroups, expert_groups
 from slipstream.distributed.mesh import DeviceMesh
-from slipstream.moe.layer import MoE
+from slipstream.moe.experts import mark_expert_params
 from slipstream.moe.utils import is_moe_param, moe_layers
 
-__all__ = ["clip_grad_norm_", "expert_parallel_", "reduce_gradients_"]
+__all__ = ["clip_grad_norm_", "expert_parallel_", "reduce_gradients_", "routing_stats"]
 
 
 def expert_parallel_(
@@ -37,9 +37,11 @@ def expert_parallel_(
     Raises:
         ValueError: an ``ep_size`` that does not divide the data-parallel size.
     """
-    layers = [model] if isinstance(model, MoE) else moe_layers(model)
+    layers = moe_layers(model)
     out: dict[str, ExpertGroups] = {}
     for layer in layers:
+        # Again: replacing parameters (``to_empty`` after meta construction) drops the marks.
+        mark_expert_params(layer.expert_module, layer.expert_group_name)
         groups = expert_groups(mesh, layer.ep_size, data_before_expert)
         layer.set_ep_group(groups.ep_group)
         out[layer.expert_group_name] = groups
@@ -59,9 +61,9 @@ def reduce_gradients_(
     for p in model.parameters():
         if p.grad is None:
             continue
-        if is_moe_param(p):
-            g = groups[p.group_name]  # type: ignore[attr-defined]
-            if g.edp_group is not None and comm.get_world_size(g.edp_group) > 1:
+        g = groups[p.group_name] if is_moe_param(p) else None  # type: ignore[attr-defined]
+        if g is not None and g.ep_size > 1:
+            if comm.get_world_size(g.edp_group) > 1:
                 comm.all_reduce(p.grad, group=g.edp_group, label="moe_expert_grads")
             p.grad.div_(dp_size)
         elif dp_size > 1:
@@ -84,7 +86,7 @@ def clip_grad_norm_(
         if p.grad is None:
             continue
         sq = p.grad.detach().double().pow(2).sum().cpu()
-        if is_moe_param(p):
+        if is_moe_param(p) and groups[p.group_name].ep_size > 1:  # type: ignore[attr-defined]
             name = p.group_name  # type: ignore[attr-defined]
             expert[name] = expert.get(name, torch.zeros((), dtype=torch.float64)) + sq
         else:
@@ -103,3 +105,18 @@ def clip_grad_norm_(
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm
+
+
+def routing_stats(model: nn.Module) -> dict[str, float]:
+    """The last forward's routing statistics of every MoE layer, flat, for a monitor:
+    ``moe/<i>/dropped_fraction``, ``moe/<i>/imbalance`` and ``moe/<i>/expert<e>_tokens``."""
+    out: dict[str, float] = {}
+    for i, layer in enumerate(moe_layers(model)):
+        stats = layer.stats
+        if stats is None:
+            continue
+        out[f"moe/{i}/dropped_fraction"] = stats.dropped_fraction
+        out[f"moe/{i}/imbalance"] = stats.imbalance
+        for e, n in enumerate(stats.tokens_per_expert.tolist()):
+            out[f"moe/{i}/expert{e}_tokens"] = float(n)
+    return out

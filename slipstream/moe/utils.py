@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.moe.dropless import DroplessMoE
 from slipstream.moe.layer import MoE
 
 __all__ = [
@@ -23,9 +24,9 @@ __all__ = [
 ]
 
 
-def moe_layers(module: nn.Module) -> list[MoE]:
-    """Every :class:`MoE` layer inside ``module``, in module order."""
-    return [m for m in module.modules() if isinstance(m, MoE)]
+def moe_layers(module: nn.Module) -> list[MoE | DroplessMoE]:
+    """Every :class:`MoE` and :class:`DroplessMoE` layer inside ``module``, in module order."""
+    return [m for m in module.modules() if isinstance(m, MoE | DroplessMoE)]
 
 
 def has_moe_layers(module: nn.Module) -> tuple[bool, int]:

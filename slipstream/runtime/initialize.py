@@ -28,6 +28,7 @@ from slipstream.distributed.mesh import (
     dp_sp_group,
 )
 from slipstream.distributed.topology import resolve_ranks_per_node
+from slipstream.moe import expert_parallel_, moe_layers
 from slipstream.parallel.pipeline import PipelineModule
 from slipstream.precision import LossScaler, PrecisionPolicy
 from slipstream.runtime._foreign import refuse_real_deepspeed
@@ -126,6 +127,8 @@ def initialize(
     )
     _place_(model, device, policy.param_dtype)
     parallelize_(model, cfg, mesh)
+    # MoE: each layer's expert-parallel group from the mesh; ZeRO reduces experts over theirs.
+    experts = expert_parallel_(model, mesh) if moe_layers(model) else None
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
     zero_opt: ZeroOptimizer | None = None
     if make_optimizer is not None:
@@ -138,6 +141,7 @@ def initialize(
             make_optimizer,
             _step_policy(cfg, mesh, device),
             device,
+            experts,
         )
     elif is_partitioned_model(model):  # no optimizer (inference): gather in full
         unpartition_(model)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.distributed.expert import ExpertGroups
 from slipstream.zero.init import set_data_
 from slipstream.zero.param import full_shape, is_slipstream_partitioned
 
@@ -98,6 +99,14 @@ class Bucket:
     # parameter outside its unit's forward/backward is an empty tensor (``param.numel()`` 0).
     shapes: list[torch.Size] = field(default_factory=list, repr=False)
     views: list[torch.Tensor] = field(default_factory=list, repr=False)
+    expert: ExpertGroups | None = field(default=None, repr=False)
+    """Expert buckets (MoE with ``ep_size`` > 1): their groups. The gradient is reduced and
+    the bucket sharded over ``expert.edp_group`` (``dp_size`` is its size), not the whole
+    data-parallel group; None for every other bucket."""
+
+    def comm_group(self, dp_group: comm.Group) -> comm.Group:
+        """The group this bucket is reduced and sharded over."""
+        return self.expert.edp_group if self.expert is not None else dp_group
 
     @property
     def numels(self) -> list[int]:
@@ -148,6 +157,7 @@ def build_buckets(
     names: dict[nn.Parameter, str],
     bucket_numel: int,
     dp_size: int,
+    experts: dict[str, ExpertGroups] | None = None,
 ) -> list[Bucket]:
     """Lay out ``groups`` of trainable parameters into flat buckets; params become views.
 
@@ -156,26 +166,75 @@ def build_buckets(
         names: qualified name of each parameter, for error messages.
         bucket_numel: target elements per bucket (a larger parameter gets its own bucket).
         dp_size: data-parallel size; every bucket is padded to a multiple of it.
+        experts: MoE expert groups by expert group name (``param.group_name``); expert
+            parameters of an ``ep_size`` > 1 get buckets of their own, padded to a multiple
+            of their expert-data-parallel size, after the dense buckets.
     Returns:
         Buckets in launch order (the order gradients are expected to become ready).
     """
     buckets: list[Bucket] = []
+    expert_lists: dict[str, list[tuple[int, list[nn.Parameter]]]] = {}
     for gi, params in enumerate(groups):
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in reversed(list(params)):
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for plist in by_dtype.values():
-            current: list[nn.Parameter] = []
-            size = 0
-            for p in plist:
-                if current and size + p.numel() > bucket_numel:
-                    buckets.append(make_bucket(len(buckets), gi, current, names, dp_size))
-                    current, size = [], 0
-                current.append(p)
-                size += p.numel()
-            if current:
-                buckets.append(make_bucket(len(buckets), gi, current, names, dp_size))
+        dense = []
+        for p in params:
+            g = _expert_of(p, experts)
+            if g is None:
+                dense.append(p)
+            else:
+                runs = expert_lists.setdefault(p.group_name, [])  # type: ignore[attr-defined]
+                if not runs or runs[-1][0] != gi:
+                    runs.append((gi, []))
+                runs[-1][1].append(p)
+        _add_buckets(buckets, gi, dense, names, bucket_numel, dp_size, None)
+    for name, runs in expert_lists.items():
+        assert experts is not None
+        g = experts[name]
+        for gi, plist in runs:
+            size = comm.get_world_size(g.edp_group)
+            _add_buckets(buckets, gi, plist, names, bucket_numel, size, g)
     return buckets
+
+
+def _expert_of(p: nn.Parameter, experts: dict[str, ExpertGroups] | None) -> ExpertGroups | None:
+    """The expert groups of an expert parameter with ``ep_size`` > 1, else None."""
+    if getattr(p, "allreduce", True) is not False:
+        return None
+    name = getattr(p, "group_name", None)
+    if experts is None or name not in experts:
+        raise ValueError(
+            f"expert parameter of MoE group {name!r} but no expert-parallel groups were given: "
+            "apply slipstream.moe.expert_parallel_(model, mesh) and pass its result as "
+            "shard_zero_(..., experts=...) (slipstream.initialize does both)"
+        )
+    g = experts[name]
+    return g if g.ep_size > 1 else None
+
+
+def _add_buckets(
+    buckets: list[Bucket],
+    gi: int,
+    params: Sequence[nn.Parameter],
+    names: dict[nn.Parameter, str],
+    bucket_numel: int,
+    dp_size: int,
+    expert: ExpertGroups | None,
+) -> None:
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in reversed(list(params)):
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for plist in by_dtype.values():
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in plist:
+            if current and size + p.numel() > bucket_numel:
+                buckets.append(make_bucket(len(buckets), gi, current, names, dp_size))
+                buckets[-1].expert = expert
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            buckets.append(make_bucket(len(buckets), gi, current, names, dp_size))
+            buckets[-1].expert = expert
 
 
 def make_bucket(
@@ -304,7 +363,7 @@ class FlatStore:
         bucket = self.buckets[b]
         if not self.partitioned:
             return 0, bucket.numel
-        s = bucket.shard_slice(self.dp_rank)
+        s = bucket.shard_slice(comm.get_rank(bucket.comm_group(self.group)))
         return s.start, s.stop
 
     def owned(self, b: int) -> torch.Tensor:
@@ -321,7 +380,7 @@ class FlatStore:
         return comm.all_gather_into_tensor(
             bucket.flat,
             self.owned(b),
-            group=self.group,
+            group=bucket.comm_group(self.group),
             async_op=True,
             label=f"param_bucket{b}",
         )

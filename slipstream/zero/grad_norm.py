@@ -48,6 +48,12 @@ class GradNorm:
         self.dp_group, self.partitioned = dp_group, partitioned
         self.tp_group, self.pp_group = tp_group, pp_group
         self._parts = [self._segments(b, lo, hi) for b, (lo, hi) in zip(buckets, owned)]
+        # MoE expert buckets at stage 0: each rank holds its own experts' whole gradients,
+        # so their squares are summed over the expert-parallel group (at stages 1-3 the
+        # data-parallel sum already counts every expert element once).
+        self._expert_groups: list[comm.Group | None] = [
+            b.expert.ep_group if b.expert is not None and not partitioned else None for b in buckets
+        ]
 
     def _segments(self, bucket: Bucket, lo: int, hi: int) -> list[tuple[slice, int]] | None:
         """(slice of this rank's region, kind) per parameter; None when every parameter is
@@ -78,7 +84,12 @@ class GradNorm:
         """
         device = grads[0].device if grads else torch.device("cpu")
         sq = torch.zeros(3, dtype=torch.float32, device=device)  # by kind
-        for g, parts in zip(grads, self._parts):
+        experts: dict[int, tuple[comm.Group, torch.Tensor]] = {}
+        for g, parts, ep_group in zip(grads, self._parts, self._expert_groups):
+            if ep_group is not None:
+                _, acc = experts.setdefault(id(ep_group), (ep_group, sq.new_zeros(1)))
+                acc += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                continue
             if parts is None:
                 sq[_REPLICATED] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
                 continue
@@ -86,6 +97,9 @@ class GradNorm:
                 sq[kind] += torch.linalg.vector_norm(g[sl], dtype=torch.float32).square()
         if self.partitioned:
             comm.all_reduce(sq, group=self.dp_group, label="grad_norm")
+        for ep_group, acc in experts.values():
+            comm.all_reduce(acc, group=ep_group, label="grad_norm_experts")
+            sq[_REPLICATED] += acc[0]
         if self.tp_group is not None:
             # Replicated parameters are counted once, so their squares stay local; send
             # ``sq[1] * 0`` along (0 when finite, nan otherwise) so that a non-finite value on

@@ -257,7 +257,7 @@ class GradientReducer:
         if self.policy.partition_grads:
             same = wire.dtype == self.policy.accum_dtype
             out = self._accum[b_idx] if fresh and same else wire.new_empty(bucket.shard_numel)
-            if self.policy.two_hop is not None:
+            if self.policy.two_hop is not None and bucket.expert is None:
                 node_group, cross_group = self.policy.two_hop
                 comm.reduce_scatter_2hop_quantized(
                     out, wire, node_group, cross_group, 4, self.policy.grad_block, label=label
@@ -265,12 +265,19 @@ class GradientReducer:
                 work = None
             else:
                 work = comm.reduce_scatter_tensor(
-                    out, wire, group=self.group, async_op=self.policy.overlap, label=label
+                    out,
+                    wire,
+                    group=bucket.comm_group(self.group),
+                    async_op=self.policy.overlap,
+                    label=label,
                 )
         else:
             out = wire
             work = comm.all_reduce(
-                wire, group=self.group, async_op=self.policy.overlap, label=label
+                wire,
+                group=bucket.comm_group(self.group),
+                async_op=self.policy.overlap,
+                label=label,
             )
         self._pending.append(_Pending(bucket, work, wire, out, fresh))
         if not self.policy.overlap:
@@ -280,6 +287,8 @@ class GradientReducer:
         if pending.work is not None and hasattr(pending.work, "wait"):
             pending.work.wait()
         b_idx = pending.bucket.index
+        # Expert buckets too: their sum over the expert-data-parallel group, divided by the
+        # whole data-parallel size, is the global-batch mean (see slipstream.moe.plan).
         post = self.policy.predivide_factor / self.dp_size
         accum = self._accum[b_idx]
         if self.policy.partition_grads:
@@ -350,7 +359,7 @@ class GradientReducer:
         self._fill_unwritten(bucket, self._accum[b_idx], self._accum_written[b_idx])
         if not self.shard_grads:
             return self._accum[b_idx]
-        return self._accum[b_idx][bucket.shard_slice(self.dp_rank)]
+        return self._accum[b_idx][bucket.shard_slice(comm.get_rank(bucket.comm_group(self.group)))]
 
     def check_no_stray(self) -> None:
         """Refuse to step while gradients of a foreign pass wait in ``param.grad``.

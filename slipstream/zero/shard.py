@@ -18,6 +18,7 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
+from slipstream.distributed.expert import ExpertGroups
 from slipstream.distributed.topology import NodeTopology, build_node_topology
 from slipstream.precision import PrecisionPolicy
 from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
@@ -50,6 +51,7 @@ def shard_zero_(
     make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
     step: StepPolicy,
     device: torch.device | None = None,
+    experts: dict[str, ExpertGroups] | None = None,
 ) -> ZeroOptimizer:
     """Apply ZeRO stage 0, 1, 2 or 3 to ``model`` in place and return its optimizer.
 
@@ -66,6 +68,10 @@ def shard_zero_(
         step: loss scaling, clipping and overflow policy.
         device: where parameters built under ``zero.Init`` are laid out (default: where the
             model's buffers are, else CPU).
+        experts: MoE expert-parallel groups by expert group name (from
+            ``slipstream.moe.expert_parallel_``): expert parameters of an ``ep_size`` > 1
+            are bucketed apart, broadcast, reduced and sharded over their
+            expert-data-parallel group (stages 0-2).
     Communication: stage 0/1 one all-reduce of all gradients per optimizer step; stage 2
     one reduce-scatter per micro-step; stage 1/2 one all-gather of the parameters per step;
     stage 3 an all-gather per unit in forward and in backward, a reduce-scatter per bucket.
@@ -77,9 +83,10 @@ def shard_zero_(
     if orphans:
         log_rank0("parameters not in any optimizer param group are not trained: %s", orphans[:8])
     if cfg.stage == 3:
+        _refuse_expert_parallel_stage3(experts)
         layout = _shard_units(model, groups, names, dp_group, cfg, device)
     else:
-        layout = _shard_flat(model, groups, names, dp_group, cfg)
+        layout = _shard_flat(model, groups, names, dp_group, cfg, experts)
     dp_size = comm.get_world_size(dp_group)
     policy = ReducePolicy(
         partition_grads=cfg.stage >= 2 and dp_size > 1,
@@ -113,13 +120,14 @@ def _shard_flat(
     names: dict[nn.Parameter, str],
     dp_group: comm.Group,
     cfg: ZeroConfig,
+    experts: dict[str, ExpertGroups] | None = None,
 ) -> _Layout:
     """Stages 0-2: every rank holds all parameters in flat buckets; stages 1/2 update one
     shard of each bucket per rank and all-gather the updates."""
     if is_partitioned_model(model):
         unpartition_(model)  # zero.Init model without stage 3: every rank holds it all anyway
     dp_size = comm.get_world_size(dp_group)
-    buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size)
+    buckets = build_buckets(groups, names, cfg.reduce_bucket_size, dp_size, experts)
     _broadcast_from_dp0(model, buckets, dp_group)
     return _Layout(buckets, FlatStore(buckets, dp_group, partitioned=cfg.stage >= 1))
 
@@ -190,6 +198,15 @@ def _param_groups(model: nn.Module, groups: Sequence[dict[str, Any]]) -> list[li
     return out
 
 
+def _refuse_expert_parallel_stage3(experts: dict[str, ExpertGroups] | None) -> None:
+    sizes = sorted({g.ep_size for g in (experts or {}).values() if g.ep_size > 1})
+    if sizes:
+        raise ValueError(
+            f"ZeRO stage 3 with MoE expert parallelism (ep_size {sizes}) is not supported yet: "
+            "use zero_optimization.stage 0-2 with ep_size > 1, or ep_size 1 at stage 3"
+        )
+
+
 def _two_hop(
     cfg: ZeroConfig, topology: NodeTopology | None, dp_group: comm.Group
 ) -> tuple[comm.Group, comm.Group] | None:
@@ -219,10 +236,16 @@ def _broadcast_from_dp0(model: nn.Module, buckets: Sequence[Bucket], dp_group: c
         return
     src = comm.global_rank(dp_group, 0)
     for b in buckets:
-        comm.broadcast(b.flat, src=src, group=dp_group, label="init_params")
+        # Expert buckets hold this rank's own experts: equal only over their edp group.
+        group = b.comm_group(dp_group)
+        if comm.get_world_size(group) > 1:
+            first = comm.global_rank(group, 0)
+            comm.broadcast(b.flat, src=first, group=group, label="init_params")
     in_buckets = {id(p) for b in buckets for p in b.params}
     for t in [p for p in model.parameters() if id(p) not in in_buckets] + list(model.buffers()):
         if t.is_meta or is_zero_param(t):
             continue  # zero.Init: partitioned identically on every rank
+        if getattr(t, "allreduce", True) is False:
+            continue  # a frozen MoE expert: each expert-parallel rank holds different ones
         if t.is_floating_point() or t.dtype in (torch.int64, torch.int32):
             comm.broadcast(t.data, src=src, group=dp_group, label="init_params")
