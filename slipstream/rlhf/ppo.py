@@ -226,7 +226,7 @@ class PPOTrainer:
         answer = completion_mask(seq[:, p:], self.eos_token_ids)
         keep = answer.sum(1) > 1
         dropped = int((~keep).sum())
-        if not _all_ranks(bool(keep.any()), prompt_ids.device):
+        if not comm.all_true(bool(keep.any()), label="ppo_experience"):
             if self._previous is None:
                 return None, dropped
             self._previous.reused = True
@@ -339,7 +339,7 @@ class PPOTrainer:
         (all its first answers empty)."""
         exp, dropped = self.generate_experience(prompt_ids, prompt_mask)
         t1 = time.perf_counter()
-        if not _all_ranks(exp is not None, prompt_ids.device):
+        if not comm.all_true(exp is not None, label="ppo_experience"):
             log_rank0(
                 "ppo: every answer of a rank's first batch had <= 1 token; step skipped on "
                 "all ranks (nothing to reuse yet)"
@@ -383,13 +383,3 @@ class PPOTrainer:
             m.response_length, m.generate_s, m.score_s, m.train_s,
         )  # fmt: skip
         log_step_metrics(self.actor, "ppo", m, self.log_path)
-
-
-def _all_ranks(flag: bool, device: torch.device) -> bool:
-    """True when ``flag`` holds on every rank (one all-reduce on ``device``, the backend's;
-    just ``flag`` without a world)."""
-    if not comm.is_initialized() or comm.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    comm.all_reduce(t, op=comm.ReduceOp.MIN, label="ppo_experience")
-    return bool(t.item() == 1.0)
