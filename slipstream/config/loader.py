@@ -254,7 +254,6 @@ def _drop_keys_deepspeed_ignores(raw: dict[str, Any]) -> None:
 _BLOCKS_WITHOUT_ENABLED = frozenset(
     {
         "checkpoint",
-        "aio",
         "compile",
         "timers",
         "sparse_attention",

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from slipstream.config._base import StrictModel
+from slipstream.config.aio import AioConfig
 from slipstream.config.autotuning import AutotuningConfig
 from slipstream.config.compression import CompressionConfig
 from slipstream.config.hybrid import HybridEngineConfig
@@ -100,7 +101,6 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "amp": "Apex AMP is not supported; use bf16 or fp16",
     "torch_autocast": "torch_autocast is not implemented yet; use bf16 or fp16",
     "compile": "DeepCompile options are not implemented yet",
-    "aio": "the aio block (NVMe I/O tuning) is not supported; offload_optimizer.nvme_path works without it",
     "elasticity": "elastic training is not implemented yet",
     "data_efficiency": "data efficiency is not implemented yet",
     "curriculum_learning": "curriculum learning is not implemented yet",
@@ -169,6 +169,8 @@ class SlipstreamConfig(StrictModel):
     bytes against the ZeRO estimator, with every step line (``steps_per_print``)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication counters."""
+    aio: AioConfig | None = None
+    """DeepSpeed's NVMe I/O tuning, accepted at its defaults (``slipstream.config.aio``)."""
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     """TensorBoard monitor (rank 0 writes ``Train/Samples/*`` scalars)."""
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)

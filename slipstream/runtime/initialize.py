@@ -43,7 +43,7 @@ from slipstream.zero.init import (
     partition_meta_,
     unpartition_,
 )
-from slipstream.zero.param import check_not_foreign, full_shape, is_zero_param
+from slipstream.zero.param import check_not_foreign, full_shape
 
 __all__ = ["initialize"]
 
@@ -232,15 +232,15 @@ def _parallel_dims(cfg: SlipstreamConfig, model: nn.Module) -> ParallelDims:
 
 def _place_(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Move ``model`` to ``device`` and the training dtype (a ``zero.Init`` model: its
-    buffers and the parameters made outside ``zero.Init``, such as a head added after
-    loading; its parameter shards are laid out by ZeRO)."""
+    buffers, the parameters made outside ``zero.Init`` (a head added after loading) and the
+    placeholders of the partitioned ones, whose dtype ZeRO lays their shards out in)."""
     if is_partitioned_model(model):
         for mod in model.modules():
             for key, buf in mod._buffers.items():
                 if buf is not None and not buf.is_meta:
                     mod._buffers[key] = buf.to(device)
-            for p in mod._parameters.values():
-                if p is not None and not p.is_meta and not is_zero_param(p):
+            for p in mod._parameters.values():  # zero.Init's: the empty placeholders
+                if p is not None and not p.is_meta:
                     cast = dtype if p.is_floating_point() else p.dtype
                     p.data = p.data.to(device=device, dtype=cast)
     else:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from slipstream._logging import logger
 from slipstream.accelerator import get_accelerator
 from slipstream.distributed import comm
 from slipstream.distributed.quantize import fit_block, quantize_blocks
@@ -368,12 +369,12 @@ class ShardedStore:
 
     def install_hooks(self) -> None:
         handles = self.handles
-        # state_dict() would hand out views of released storage (reading them crashes the
-        # process): refuse with directions instead, unless the parameters are gathered.
+        # state_dict() hands out the released placeholders (empty), as DeepSpeed's does: warn
+        # with directions, unless the parameters are gathered.
         owners = {id(m): m for u in self.units for m in u.module.modules()}
         for mod in owners.values():
             if any(unit_owner(p) for p in mod._parameters.values() if p is not None):
-                handles.append(mod.register_state_dict_pre_hook(_refuse_released))
+                handles.append(mod.register_state_dict_pre_hook(_warn_released))
         for unit in self.units:
             if not unit.uses:
                 continue
@@ -394,14 +395,27 @@ class ShardedStore:
         self.handles = []
 
 
-def _refuse_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+def _warn_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """DeepSpeed's ``state_dict()`` of a ZeRO-3 model: released parameters come out as their
+    empty placeholders (0 elements; DeepSpeed-Chat saves such a dict on rank 0 and then
+    overwrites it with gathered values). Say so once per process, with what to call."""
+    global _WARNED_STATE_DICT
+    if _WARNED_STATE_DICT:
+        return
     for name, p in module.named_parameters(recurse=False):
         owner = unit_owner(p)
         if owner is not None and not owner.unit.gathered:
-            raise RuntimeError(
-                f"state_dict() of a ZeRO-3 model while '{prefix}{name}' is partitioned (this rank "
-                "holds only its shard). Use engine.save_checkpoint(dir) or "
-                "engine.save_16bit_model(dir), or read it inside "
-                "`with slipstream.zero.GatheredParameters(list(model.parameters())):` and copy "
-                "the tensors (.clone()) before leaving the block"
+            _WARNED_STATE_DICT = True
+            logger.warning(
+                "state_dict() of a ZeRO-3 model while '%s%s' is partitioned: as in DeepSpeed, "
+                "partitioned parameters come out empty (0 elements). For their values use "
+                "engine.save_16bit_model(dir) or engine.save_checkpoint(dir), or read the "
+                "state dict inside `with deepspeed.zero.GatheredParameters(list(model."
+                "parameters())):` and .clone() the tensors before leaving the block",
+                prefix,
+                name,
             )
+            return
+
+
+_WARNED_STATE_DICT = False

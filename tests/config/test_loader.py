@@ -182,7 +182,7 @@ def test_unknown_key_without_close_match_lists_valid_keys() -> None:
     _error(
         _cfg(xyzzy_plugh=1),
         "unknown config key 'xyzzy_plugh'",
-        "valid keys here are: activation_checkpointing, autotuning, bf16,",
+        "valid keys here are: activation_checkpointing, aio, autotuning, bf16,",
     )
     _error(
         _cfg(fp16={"qwerty": 1}),

@@ -100,10 +100,12 @@ def test_save_16bit_model_and_generation_context(results, export_dir):
         assert torch.equal(r["export"]["tokens"], r["export"]["ref_tokens"])
 
 
-def test_state_dict_of_a_partitioned_model_is_an_error_not_a_crash(results):
+def test_state_dict_of_a_partitioned_model_is_deepspeeds_empty_tensors_with_a_warning(results):
     for r in results:
         assert (
             "state_dict() of a ZeRO-3 model while 'embed_tokens.weight' is partitioned"
-            in (r["guard"]["error"])
+            in (r["guard"]["warning"])
         )
-        assert r["guard"]["n"] > 0
+        assert "GatheredParameters" in r["guard"]["warning"]
+        assert set(r["guard"]["empty"].values()) == {0}  # DeepSpeed's placeholders
+        assert r["guard"]["n"] == len(r["guard"]["empty"]) > 0

@@ -75,7 +75,7 @@ def test_released_parameters_are_empty_tensors_safe_to_touch(results):
             s is AVAILABLE and shape == got["full_shapes"][n]
             for n, (s, shape) in got["inside"].items()
         )
-        assert "state_dict() of a ZeRO-3 model while" in got["state_dict_error"]
+        assert got["state_dict_sizes"] == [0]  # DeepSpeed's empty placeholders
         assert got["ds_tensor_numel"] == pytest.approx(got["store_numel"], abs=8)
 
 
