@@ -168,8 +168,30 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         # The import system stamped the alias spec on the slipstream module; give it its own
         # back so that reload(), pickling by module and tools that read __spec__ see slipstream.
+        alias = module.__spec__.name if module.__spec__ is not None else module.__name__
         if self._target_spec is not None:
             module.__spec__ = self._target_spec
+        _attach_redirected_children(alias, module)
+
+
+def _attach_redirected_children(alias: str, module: types.ModuleType) -> None:
+    """Make ``from deepspeed.X import Y`` find a redirected ``deepspeed.X.Y``.
+
+    ``from deepspeed.X import Y`` looks ``Y`` up as an attribute of ``deepspeed.X``, and when
+    it is missing imports ``<module.__name__>.Y``: that is ``slipstream.<...>.Y``, the wrong
+    name where ``deepspeed.X.Y`` is redirected elsewhere (``deepspeed.runtime.zero`` is
+    ``slipstream.zero``, not ``slipstream.runtime.zero``). So the redirected children are set
+    as attributes of the module answering ``deepspeed.X`` when it loads, as an
+    ``import deepspeed.X.Y`` would have set them.
+    """
+    for child_alias in REDIRECTS:
+        parent, _, child = child_alias.rpartition(".")
+        if parent != alias or hasattr(module, child):
+            continue
+        try:
+            setattr(module, child, importlib.import_module(child_alias))
+        except ImportError:
+            continue
 
 
 class _AliasDistribution(importlib.metadata.Distribution):

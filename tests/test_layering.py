@@ -32,6 +32,7 @@ FLOORS: list[set[str]] = [
     {"rlhf", "multimodal"},  # RLHF generates with the inference engine and trains with runtime
     # DeepSpeed's import paths, each a thin re-export of the units above.
     {"comm", "pipe", "checkpointing", "utils", "ops"},
+    {"git_version_info"},  # DeepSpeed's install-time facts, read from the units above
     {""},  # slipstream/__init__.py, the public facade
     {"cli"},
     {"launcher"},  # deepspeed.launcher.runner: the `deepspeed` command on `slipstream run`

@@ -181,6 +181,14 @@ def _apply_aliases(raw: dict[str, Any]) -> None:
                 zero[key].setdefault("pin_memory", pin)
 
 
+def normalize_zero_block(block: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``zero_optimization`` block with DeepSpeed's deprecated and short key names renamed
+    to the typed config's (a copy; each rename warns as in a whole config)."""
+    raw: dict[str, Any] = {"zero_optimization": dict(block)}
+    _apply_aliases(raw)
+    return dict(raw["zero_optimization"])
+
+
 def _warn_alias(old: str, new: str) -> None:
     warnings.warn(
         f"config key '{old}' is deprecated; use '{new}'",

@@ -41,6 +41,11 @@ class OffloadConfig(StrictModel):
     def enabled(self) -> bool:
         return self.device != "none"
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's name: NVMe reads or writes overlap the optimizer step."""
+        return self.pipeline_read or self.pipeline_write
+
 
 class ZeroConfig(StrictModel):
     """ZeRO data parallelism (Rajbhandari et al. 2020, sections 5.1-5.3).

@@ -36,7 +36,7 @@ from slipstream.runtime.observers import EngineObserver, build_observers, close_
 from slipstream.runtime.step_profiler import StepProfiler
 from slipstream.zero import ZeroOptimizer, gathered_model, save_16bit_model
 
-__all__ = ["Engine"]
+__all__ = ["DeepSpeedEngine", "Engine"]
 
 
 class Engine(DeepSpeedEngineAttributes, nn.Module):
@@ -401,3 +401,8 @@ def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         return x.to(dtype)
     return x
+
+
+DeepSpeedEngine = Engine
+"""``deepspeed.runtime.engine.DeepSpeedEngine``: frameworks ``isinstance``-check engines
+against it, and every slipstream engine (the pipeline engine too) is an ``Engine``."""

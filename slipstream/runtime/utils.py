@@ -11,8 +11,10 @@ import torch
 
 from slipstream._logging import log_rank0
 from slipstream.accelerator import get_accelerator
+from slipstream.parallel.pipeline.module import partition_balanced, partition_uniform
 
 __all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
+__all__ += ["partition_balanced", "partition_uniform"]  # DeepSpeed's pipeline cut rules
 
 _GIB = 1024**3
 
