@@ -379,12 +379,26 @@ def _engine_meta(engine: TrainingState, world: int) -> dict[str, Any]:
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
         "loss_scaler": opt.loss_scaler.state_dict() if opt is not None else None,
+        "param_order": _param_order(engine),
         "param_groups": [
             {k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
         ]
         if opt is not None
         else [],
     }
+
+
+def _param_order(engine: TrainingState) -> list[list[str]]:
+    """The trained parameters of each optimizer param group in module order (what a flat
+    layout such as DeepSpeed's needs to export to; the pieces alone do not say it)."""
+    opt = engine.optimizer
+    if opt is None:
+        return []
+    rank = {n: i for i, (n, _) in enumerate(engine.module.named_parameters())}
+    groups: list[list[str]] = [[] for _ in opt.param_groups]
+    for bucket in opt.buckets:
+        groups[bucket.group_index].extend(bucket.names)
+    return [sorted(g, key=lambda n: rank.get(n, len(rank))) for g in groups]
 
 
 def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, Any]:

@@ -55,7 +55,13 @@ import torch
 
 from slipstream.checkpoint.format import MANIFEST, CheckpointError
 
-__all__ = ["DeepSpeedReader", "check_optimizer", "is_deepspeed_tag"]
+__all__ = [
+    "DeepSpeedReader",
+    "check_optimizer",
+    "deepspeed_to_slipstream",
+    "is_deepspeed_tag",
+    "resolve_deepspeed_tag",
+]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -661,3 +667,113 @@ def _scalars(states: list[dict[str, Any]], n_groups: int, path: Path) -> dict[st
         # torch's Adam keeps ``step`` as a float32 tensor; DeepSpeed's FusedAdam as an int.
         one[k] = {"value": float(value), "tensor": True, "dtype": "float32"}
     return {str(g): dict(one) for g in range(n_groups)}
+
+
+def resolve_deepspeed_tag(path: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """A DeepSpeed tag directory, or a save directory whose ``latest`` (or ``tag``) names one."""
+    p = Path(path)
+    if tag is None and is_deepspeed_tag(p):
+        return p
+    if tag is None:
+        latest = p / "latest"
+        if not latest.is_file():
+            raise CheckpointError(
+                f"{p} is neither a DeepSpeed tag directory (*_model_states.pt files) nor a save "
+                "directory with a 'latest' file: pass the directory DeepSpeed's "
+                "save_checkpoint wrote"
+            )
+        tag = latest.read_text().strip()
+    directory = p / tag
+    if not is_deepspeed_tag(directory):
+        raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint tag directory")
+    return directory
+
+
+def deepspeed_to_slipstream(
+    source: str | os.PathLike[str], out_dir: str | os.PathLike[str], tag: str | None = None
+) -> Path:
+    """Write a DeepSpeed checkpoint as a slipstream checkpoint ``out_dir/<tag>`` (and
+    ``out_dir/latest``), offline, one tensor at a time (peak memory about the largest).
+
+    The result loads at any world size and stage like any slipstream checkpoint; it keeps the
+    client state's own keys (not DeepSpeed's bookkeeping: ``ds_config``, ``param_shapes``...).
+    """
+    from slipstream.checkpoint.format import (
+        FORMAT_VERSION,
+        StreamingSafetensorsWriter,
+        atomic_write_text,
+        dtype_name,
+        file_digest,
+        write_manifest,
+        write_object,
+    )
+
+    directory = resolve_deepspeed_tag(source, tag)
+    reader = DeepSpeedReader(directory)
+    out = Path(out_dir)
+    name = directory.name
+    tmp = out / f".{name}.convert-tmp"
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    shard = "rank-00000.safetensors"
+    tensors = list(reader.tensors)
+    layout: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+        (t, (reader.numel(t),), reader.dtype(t)) for t in tensors
+    ]
+    writer = StreamingSafetensorsWriter(tmp / shard, layout)
+    for t in tensors:
+        writer.write(t, reader.read(t))
+    writer.finish()
+    extra = reader.load_object("extra.pt")
+    own = {k: v for k, v in extra["client_state"].items() if k not in _DS_BOOKKEEPING}
+    files = {shard: list(file_digest(tmp / shard))}
+    files["extra.pt"] = list(
+        write_object(tmp / "extra.pt", {"client_state": own, "lr_scheduler": extra["lr_scheduler"]})
+    )
+    meta = {k: v for k, v in reader.manifest.items() if k not in ("source", "ds_version")}
+    ds_version = reader.manifest.get("ds_version")
+    manifest = dict(
+        meta,
+        format_version=FORMAT_VERSION,
+        slipstream_version=_version(),
+        converted_from=f"DeepSpeed {ds_version}: {directory}",
+        tensors={
+            t: {"shape": list(reader.shape(t)), "dtype": dtype_name(reader.dtype(t))}
+            for t in tensors
+        },
+        pieces=[[t, 0, reader.numel(t), shard, t] for t in tensors if reader.numel(t)],
+        files=files,
+    )
+    write_manifest(tmp / MANIFEST, manifest)
+    reader.close()
+    target = out / name
+    if target.exists():
+        raise CheckpointError(f"{target} exists: choose another output directory")
+    os.replace(tmp, target)
+    atomic_write_text(out / "latest", name)
+    return target
+
+
+# DeepSpeed's own entries of its model-states dict (returned in DeepSpeed's client state).
+_DS_BOOKKEEPING = {
+    "buffer_names",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "global_samples",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "sparse_tensor_module_names",
+    "universal_checkpoint_info",
+}
+
+
+def _version() -> str:
+    from slipstream.version import __version__
+
+    return __version__

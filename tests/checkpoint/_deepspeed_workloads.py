@@ -96,8 +96,9 @@ def slipstream_resumes(root: str, cases: list[tuple[Any, ...]]) -> dict[Any, Any
         engine, *_ = slipstream.initialize(
             model=model(seed=5), config=config(stage, dist.get_world_size(), bf16)
         )
+        sub = ds_stage if isinstance(ds_stage, str) else f"ds_s{ds_stage}{'_bf16' if bf16 else ''}"
         path, client = engine.load_checkpoint(
-            str(Path(root) / f"ds_s{ds_stage}{'_bf16' if bf16 else ''}"),
+            str(Path(root) / sub),
             load_optimizer_states=rest[0] if rest else True,
         )
         counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
@@ -125,3 +126,29 @@ def slipstream_loads_with_sgd(root: str) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "loaded"
+
+
+def slipstream_saves(root: str, stage: int) -> list[float]:
+    """slipstream trains, saves ``root/ss``, and continues: its losses."""
+    engine, *_ = slipstream.initialize(model=model(), config=config(stage, dist.get_world_size()))
+    _train(engine, range(SAVED), False)
+    engine.save_checkpoint(str(Path(root) / "ss"), client_state={"epoch": 7})
+    return _train(engine, range(SAVED, SAVED + MORE), False)
+
+
+def deepspeed_resumes(root: str, stage: int) -> dict[str, Any]:
+    """DeepSpeed loads the DeepSpeed-layout export ``root/to_ds`` and continues."""
+    from tests.compat._deepspeed import import_deepspeed
+
+    deepspeed = import_deepspeed()
+    m = model(seed=5)
+    engine, *_ = deepspeed.initialize(
+        model=m, model_parameters=m.parameters(), config=config(stage, DS_WORLD)
+    )
+    _, client = engine.load_checkpoint(str(Path(root) / "to_ds"))
+    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
+    return {
+        "losses": _train(engine, range(SAVED, SAVED + MORE), False),
+        "counters": counters,
+        "epoch": (client or {}).get("epoch"),
+    }

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from slipstream.checkpoint import CheckpointError
+from slipstream.checkpoint import CheckpointError, CheckpointReader, export_deepspeed
 from slipstream.checkpoint.from_deepspeed import DeepSpeedReader
+from slipstream.cli.main import main as cli
 from tests.checkpoint import _deepspeed_workloads as w
 from tests.distributed.harness import run_world
 
@@ -44,10 +46,13 @@ def fixture_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fixture_runs(fixture_root: Path) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    # `slipstream convert --to slipstream`: the same checkpoint in slipstream's format.
+    assert cli(["convert", str(fixture_root / "ds_s2"), str(fixture_root / "conv"), "--to",
+                "slipstream"]) == 0  # fmt: skip
     two = run_world(
         w.slipstream_resumes, 2, str(fixture_root), [(2, False, 2), (2, False, 3, False)]
     )
-    one = run_world(w.slipstream_resumes, 1, str(fixture_root), [(2, False, 1)])
+    one = run_world(w.slipstream_resumes, 1, str(fixture_root), [(2, False, 1), ("conv", False, 2)])
     return two[0], one[0]
 
 
@@ -58,6 +63,15 @@ def test_fixture_resumes_with_deepspeeds_losses(fixture_runs: Any) -> None:
     _check_resumed(two[(2, False, 2)], want, FP32)
     _check_resumed(one[(2, False, 1)], want, FP32)
     assert two[(2, False, 2)]["path"].endswith("ds_s2/global_step3")
+
+
+def test_converted_fixture_resumes_with_deepspeeds_losses(fixture_runs: Any) -> None:
+    """``slipstream convert --to slipstream`` writes a slipstream checkpoint that resumes
+    the same way (here at world 1, stage 2)."""
+    want = json.loads((FIXTURE / "expected.json").read_text())["losses"]
+    run = fixture_runs[1][("conv", False, 2)]
+    _check_resumed(run, want, FP32)
+    assert run["path"].endswith("conv/global_step3")
 
 
 def test_optimizer_states_matter(fixture_runs: Any) -> None:
@@ -102,8 +116,6 @@ def test_damaged_file_and_missing_key_are_named(tmp_path: Path) -> None:
         CheckpointError, match=re.escape(f"cannot read DeepSpeed checkpoint file {path}")
     ):
         DeepSpeedReader(tag)
-    import torch
-
     torch.save({"optimizer_state_dict": {"zero_stage": 2}}, path)
     with pytest.raises(CheckpointError, match=re.escape(f"{path} has no key 'single_partition_")):
         DeepSpeedReader(tag)
@@ -178,3 +190,37 @@ def test_resumes_deepspeed_bf16(deepspeed_root: Any, resumed: Any) -> None:
     got = resumed[0][(2, True, 2)]
     assert got["losses"][0] == want[0]
     _check_resumed(got, want, {"rel": 5e-4, "abs": 0.0})
+
+
+@needs_deepspeed
+def test_export_resumes_in_deepspeed(tmp_path: Path) -> None:
+    """slipstream ZeRO-3 at world 2 saves; ``convert --to deepspeed`` lays it out for
+    DeepSpeed ZeRO-2 at world 2; DeepSpeed loads it and continues with slipstream's own
+    continuation losses, and DeepSpeed's zero_to_fp32 reads slipstream's masters back."""
+    want = run_world(w.slipstream_saves, 2, str(tmp_path), 3)[0]
+    assert cli(["convert", str(tmp_path / "ss"), str(tmp_path / "to_ds"), "--to", "deepspeed",
+                "--world-size", "2", "--zero-stage", "2"]) == 0  # fmt: skip
+    got = run_world(w.deepspeed_resumes, 2, str(tmp_path), 2, timeout_s=400)[0]
+    assert got["losses"] == pytest.approx(want, **FP32)
+    assert got["counters"] == (w.SAVED, w.SAVED * w.MICRO * w.DS_WORLD, 0)
+    assert got["epoch"] == 7
+    from tests.compat._deepspeed import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "to_ds"))
+    reader = CheckpointReader(next((tmp_path / "ss").glob("global_step*")))
+    for name, value in weights.items():
+        assert torch.equal(value, reader.read_full(f"model/{name}")), name  # fp32: no masters
+
+
+def test_export_refuses_what_it_cannot_write(tmp_path: Path, fixture_root: Path) -> None:
+    with pytest.raises(CheckpointError, match="zero_stage=3 is not supported"):
+        export_deepspeed(tmp_path, tmp_path / "out", zero_stage=3)
+    # A converted DeepSpeed checkpoint has no param_order: it is DeepSpeed's already.
+    conv = fixture_root / "conv"
+    if not conv.exists():
+        pytest.skip("needs the converted fixture")
+    with pytest.raises(CheckpointError, match="has no 'param_order'"):
+        export_deepspeed(conv, tmp_path / "out")
