@@ -142,7 +142,7 @@ def test_unreadable_kinds_are_refused_by_file(tmp_path: Path, name: str, what: s
 
 
 # ---------------------------------------------------- DeepSpeed itself, where installed
-_DS_CASES = [(2, False), (3, False), (2, True)]
+_DS_CASES = [(2, False), (3, False), (2, True), (0, False)]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def deepspeed_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
 @pytest.fixture(scope="module")
 def resumed(deepspeed_root: Any) -> tuple[dict[Any, Any], dict[Any, Any]]:
     root = str(deepspeed_root[0])
-    two = [(2, False, 2), (3, False, 3), (2, False, 1), (3, False, 2), (2, True, 2)]
+    two = [(2, False, 2), (3, False, 3), (2, False, 1), (3, False, 2), (2, True, 2), (0, False, 2)]
     one = [(2, False, 3), (3, False, 0)]
     return run_world(w.slipstream_resumes, 2, root, two)[0], run_world(
         w.slipstream_resumes, 1, root, one
@@ -163,11 +163,13 @@ def resumed(deepspeed_root: Any) -> tuple[dict[Any, Any], dict[Any, Any]]:
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_resumes_deepspeed_at_same_world_and_stage(
     deepspeed_root: Any, resumed: Any, stage: int
 ) -> None:
-    _check_resumed(resumed[0][(stage, False, stage)], deepspeed_root[1][(stage, False)], FP32)
+    # DeepSpeed's stage 0 (its torch optimizer's state dict) resumes at slipstream's stage 2.
+    got = resumed[0][(stage, False, stage or 2)]
+    _check_resumed(got, deepspeed_root[1][(stage, False)], FP32)
 
 
 @needs_deepspeed
