@@ -34,11 +34,13 @@ from slipstream.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     CheckpointReader,
+    LogicalReader,
     file_digest,
     write_manifest,
     write_object,
     write_pieces,
 )
+from slipstream.checkpoint.from_deepspeed import DeepSpeedReader, check_optimizer, is_deepspeed_tag
 from slipstream.checkpoint.state import collect_state, restore_state
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
@@ -377,12 +379,26 @@ def _engine_meta(engine: TrainingState, world: int) -> dict[str, Any]:
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
         "loss_scaler": opt.loss_scaler.state_dict() if opt is not None else None,
+        "param_order": _param_order(engine),
         "param_groups": [
             {k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
         ]
         if opt is not None
         else [],
     }
+
+
+def _param_order(engine: TrainingState) -> list[list[str]]:
+    """The trained parameters of each optimizer param group in module order (what a flat
+    layout such as DeepSpeed's needs to export to; the pieces alone do not say it)."""
+    opt = engine.optimizer
+    if opt is None:
+        return []
+    rank = {n: i for i, (n, _) in enumerate(engine.module.named_parameters())}
+    groups: list[list[str]] = [[] for _ in opt.param_groups]
+    for bucket in opt.buckets:
+        groups[bucket.group_index].extend(bucket.names)
+    return [sorted(g, key=lambda n: rank.get(n, len(rank))) for g in groups]
 
 
 def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, Any]:
@@ -448,8 +464,12 @@ def load_checkpoint(
     where = f"load_checkpoint({directory})"
     rank, world = comm.get_rank(), comm.get_world_size()
 
-    def open_and_verify() -> CheckpointReader:
-        reader = CheckpointReader(directory)
+    def open_and_verify() -> LogicalReader:
+        reader: LogicalReader
+        if is_deepspeed_tag(directory):  # migrating from DeepSpeed: its own layout
+            reader = DeepSpeedReader(directory)
+        else:
+            reader = CheckpointReader(directory)
         reader.verify_share(rank, world)
         return reader
 
@@ -476,7 +496,7 @@ def load_checkpoint(
 
 def _restore(
     engine: TrainingState,
-    reader: CheckpointReader,
+    reader: LogicalReader,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     load_module_only: bool,
@@ -485,6 +505,8 @@ def _restore(
     m = reader.manifest
     opt = engine.optimizer
     full = not load_module_only
+    if isinstance(reader, DeepSpeedReader) and opt is not None and load_optimizer_states and full:
+        check_optimizer(reader, opt)
     restore_state(reader, engine.module, opt, load_optimizer_states and full and opt is not None)
     extra = reader.load_object("extra.pt")
     if full and opt is not None and load_optimizer_states:
@@ -507,10 +529,17 @@ def _restore(
     return client_state
 
 
-def _restore_rank_state(engine: TrainingState, reader: CheckpointReader, m: dict[str, Any]) -> None:
+def _restore_rank_state(engine: TrainingState, reader: LogicalReader, m: dict[str, Any]) -> None:
     """RNG and data position: exact on the same world size; otherwise the position only."""
     rank, world = comm.get_rank(), comm.get_world_size()
     loader = engine.training_dataloader
+    if not m.get("rank_state", True):
+        log_rank0(
+            "checkpoint %s was written by DeepSpeed, which saves no RNG state or data-loader "
+            "position: both continue from where this process is",
+            reader.dir,
+        )
+        return
     if world == m["world_size"]:
         own = reader.load_object(f"rank-{rank:05d}.pt")
         _set_rng_state(own["rng"])

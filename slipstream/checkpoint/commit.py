@@ -37,6 +37,7 @@ from pathlib import Path
 
 from slipstream.checkpoint import _faults
 from slipstream.checkpoint.format import MANIFEST, CheckpointError, fsync_dir
+from slipstream.checkpoint.from_deepspeed import is_deepspeed_tag
 
 __all__ = [
     "LATEST",
@@ -378,7 +379,8 @@ def read_latest(root: Path) -> str | None:
 
 
 def find_checkpoint(root: Path, tag: str | None, recover: bool = True) -> Path | None:
-    """The tag directory to load: ``root/tag`` (default: the tag in ``latest``).
+    """The tag directory to load: ``root/tag`` (default: the tag in ``latest``), written by
+    slipstream or by DeepSpeed (``from_deepspeed``).
 
     None when ``tag`` is None and there is no ``latest`` (DeepSpeed's "nothing to load").
     Recovers a tag a crashed tag-reuse save left missing (``recover=False``: read the
@@ -392,7 +394,7 @@ def find_checkpoint(root: Path, tag: str | None, recover: bool = True) -> Path |
             return None
         source = f"{root / LATEST}"
     directory = root / tag
-    if (directory / MANIFEST).is_file():
+    if (directory / MANIFEST).is_file() or is_deepspeed_tag(directory):
         return directory
     if not directory.exists():
         olds = _old_copies(root, tag)

@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -44,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointReader",
+    "LogicalReader",
     "Piece",
     "atomic_write_text",
     "file_digest",
@@ -71,6 +72,33 @@ _DTYPES.update({"uint8": torch.uint8, "bool": torch.bool, "int8": torch.int8})
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not fit the engine."""
+
+
+class LogicalReader(Protocol):
+    """What restoring reads a checkpoint through: logical tensors by name and ranges of them,
+    the manifest (counters, optimizer hyperparameters and scalars), and ``extra.pt``'s objects.
+    ``CheckpointReader`` reads slipstream's layout; ``from_deepspeed.DeepSpeedReader`` DeepSpeed's."""
+
+    dir: Path
+    manifest: dict[str, Any]
+
+    def verify_share(self, rank: int, world: int) -> None: ...
+    def trust_all(self) -> None: ...
+    def load_object(self, name: str) -> Any: ...
+    def has(self, tensor: str) -> bool: ...
+    def names(self, kind: str) -> list[str]: ...
+    def shape(self, tensor: str) -> tuple[int, ...]: ...
+    def dtype(self, tensor: str) -> torch.dtype: ...
+    def numel(self, tensor: str) -> int: ...
+    def read(
+        self,
+        tensor: str,
+        start: int = 0,
+        stop: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+    def read_full(self, tensor: str) -> torch.Tensor: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch import nn
 from slipstream.checkpoint import _faults
 from slipstream.checkpoint.format import (
     CheckpointError,
-    CheckpointReader,
+    LogicalReader,
     dtype_from_name,
     dtype_name,
 )
@@ -164,9 +164,7 @@ def _collect_bucket(out: Collected, opt: ZeroOptimizer, shard: BucketShard, tp_r
                 out.optim_scalars.setdefault(bucket.group_index, {})[key] = _scalar(value)
 
 
-def check_compatible(
-    reader: CheckpointReader, module: nn.Module, opt: ZeroOptimizer | None
-) -> None:
+def check_compatible(reader: LogicalReader, module: nn.Module, opt: ZeroOptimizer | None) -> None:
     """Same parameter names and shapes as the checkpoint, or an error listing the differences.
 
     A rank holding part of the model (a pipeline stage, a tensor-parallel shard) checks its
@@ -204,7 +202,7 @@ def check_compatible(
         )
 
 
-def _value_source(reader: CheckpointReader, name: str, dtype: torch.dtype) -> str:
+def _value_source(reader: LogicalReader, name: str, dtype: torch.dtype) -> str:
     """Where a parameter's value comes from: its own dtype if saved so, else the fp32 master."""
     model = f"model/{name}"
     master = f"master/{name}"
@@ -215,7 +213,7 @@ def _value_source(reader: CheckpointReader, name: str, dtype: torch.dtype) -> st
 
 @torch.no_grad()
 def restore_state(
-    reader: CheckpointReader,
+    reader: LogicalReader,
     module: nn.Module,
     opt: ZeroOptimizer | None,
     load_optimizer_states: bool,
@@ -250,13 +248,13 @@ def restore_state(
         raise failed[0]
 
 
-def _read_frozen(reader: CheckpointReader, frozen: list[tuple[str, nn.Parameter]]) -> None:
+def _read_frozen(reader: LogicalReader, frozen: list[tuple[str, nn.Parameter]]) -> None:
     for name, p in frozen:
         name = checkpoint_name(name, p)
         reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
 
 
-def _read_buffers(reader: CheckpointReader, module: nn.Module) -> None:
+def _read_buffers(reader: LogicalReader, module: nn.Module) -> None:
     buffers = _buffers(module)
     for name in reader.names("buffer"):
         if name in buffers:
@@ -264,7 +262,7 @@ def _read_buffers(reader: CheckpointReader, module: nn.Module) -> None:
 
 
 def _restore_buckets(
-    reader: CheckpointReader, opt: ZeroOptimizer, load_optimizer_states: bool
+    reader: LogicalReader, opt: ZeroOptimizer, load_optimizer_states: bool
 ) -> None:
     """Parameters, masters and optimizer states of every bucket: reads only, no collectives.
     Each rank reads the parameter values it stores (all of them at stages 0-2, its shard at
@@ -277,7 +275,7 @@ def _restore_buckets(
             _restore_optimizer_states(reader, opt, shard, keys, scalars)
 
 
-def _read_bucket(reader: CheckpointReader, shard: BucketShard) -> None:
+def _read_bucket(reader: LogicalReader, shard: BucketShard) -> None:
     bucket, params = shard.bucket, shard.params
     for i, (p, name) in enumerate(zip(bucket.params, bucket.names)):
         name = checkpoint_name(name, p)
@@ -293,7 +291,7 @@ def _read_bucket(reader: CheckpointReader, shard: BucketShard) -> None:
 
 
 def _restore_optimizer_states(
-    reader: CheckpointReader,
+    reader: LogicalReader,
     opt: ZeroOptimizer,
     shard: BucketShard,
     keys: list[str],

@@ -2,7 +2,8 @@
 
 Streams tensor by tensor (peak memory about the largest tensor), from any world size and ZeRO
 stage; the output loads with ``transformers``' ``from_pretrained`` when the checkpoint was of a
-Hugging Face model.
+Hugging Face model. ``--to slipstream`` turns a DeepSpeed checkpoint into a slipstream one;
+``--to deepspeed`` writes a slipstream checkpoint in DeepSpeed's ZeRO-1/2 layout.
 """
 
 from __future__ import annotations
@@ -28,15 +29,40 @@ def add_parser(subparsers: Any) -> None:
         help="output dtype (default: each parameter's training dtype; fp32 uses the masters)",
     )  # fmt: skip
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    p.add_argument(
+        "--to", choices=["safetensors", "slipstream", "deepspeed"], default="safetensors",
+        help="safetensors: a consolidated model (default); slipstream: a DeepSpeed checkpoint "
+        "as a slipstream checkpoint; deepspeed: a slipstream checkpoint in DeepSpeed's layout",
+    )  # fmt: skip
+    p.add_argument(
+        "--world-size", type=int, default=None,
+        help="--to deepspeed: the DeepSpeed data-parallel world to lay out for (default: saved)",
+    )  # fmt: skip
+    p.add_argument(
+        "--zero-stage", type=int, default=2, choices=[1, 2],
+        help="--to deepspeed: the ZeRO stage DeepSpeed will load it at (default 2)",
+    )  # fmt: skip
     p.set_defaults(handler=convert_command)
 
 
 def convert_command(args: argparse.Namespace) -> int:
     """Handler of ``slipstream convert``."""
-    from slipstream.checkpoint import CheckpointError, convert_checkpoint
+    from slipstream.checkpoint import (
+        CheckpointError,
+        convert_checkpoint,
+        deepspeed_to_slipstream,
+        export_deepspeed,
+    )
 
     try:
-        path = convert_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+        if args.to == "slipstream":
+            path = deepspeed_to_slipstream(args.checkpoint, args.out_dir)
+        elif args.to == "deepspeed":
+            path = export_deepspeed(args.checkpoint, args.out_dir, args.world_size, args.zero_stage)
+        else:
+            path = convert_checkpoint(
+                args.checkpoint, args.out_dir, args.dtype, args.max_shard_size
+            )
     except (CheckpointError, ValueError) as e:
         print(f"slipstream convert: error: {e}", file=sys.stderr)
         return 2

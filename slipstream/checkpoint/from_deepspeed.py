@@ -1,0 +1,663 @@
+"""Read a checkpoint DeepSpeed wrote, as the logical tensors of a slipstream checkpoint.
+
+A user moving a running job from DeepSpeed has a tag directory such as ``global_step100/``::
+
+    mp_rank_00_model_states.pt                      module state dict (full at stages 0-2),
+                                                    parameter order and shapes, step counters,
+                                                    lr scheduler, client state
+    zero_pp_rank_<r>_mp_rank_00_model_states.pt     the same per rank at stage 3 (the module's
+                                                    parameters there are empty; frozen ones are
+                                                    per-rank fragments)
+    [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
+                                                    rank r's fp32 master partition and its
+                                                    optimizer states (``bf16_`` with bf16 on)
+
+``DeepSpeedReader`` presents such a directory through the reading interface of
+``CheckpointReader`` (``model/``, ``master/``, ``optim/<key>/`` and ``buffer/`` logical
+tensors, ranges of them, a manifest with the counters), so the one restore path of ``state``
+puts it into an engine of any world size and ZeRO stage, and ``convert`` writes it as a
+slipstream checkpoint. The layouts, as DeepSpeed 0.19's ZeRO optimizers write them:
+
+- **Stages 1 and 2**: per param group, the parameters (in ``param_shapes`` order) are laid
+  end to end, each followed by its ``param_alignment_paddings`` entry, and the whole is padded
+  to a multiple of ``2 * world``; rank ``r`` holds elements ``[r * P, (r + 1) * P)`` (``P`` is
+  the padded partition). The fp32 partition is saved without its tail padding
+  (``group_paddings``), the optimizer states with it.
+- **Stage 3**: every parameter is split on its own into ``ceil(numel / world)`` elements per
+  rank (the last one padded); rank ``r``'s flat groups hold its piece of each parameter, in
+  ``param_shapes`` order, concatenated over the (sub-)groups.
+- **Stage 0**: the module state dict holds the weights and ``optimizer`` the optimizer's own
+  state dict (fp32 only).
+
+Every file is opened memory-mapped, so reading a range costs only its pages. DeepSpeed pickles
+a few of its own classes into these files (the loss scaler, the stage enum, fragment
+addresses): they are read as plain stand-ins, so DeepSpeed need not be installed.
+
+Not read (each refused with an error naming the file): model-parallel checkpoints
+(``mp_rank_01_*``), pipeline-parallel ``layer_*-model_states.pt`` files, universal
+checkpoints (``zero/`` per-parameter folders), mixture-of-experts ``expert_*`` files, and
+fp16/bf16 stage 0 (DeepSpeed's ``BF16_Optimizer`` / ``FP16_Optimizer`` states).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import pickle
+import re
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.checkpoint.format import MANIFEST, CheckpointError
+
+__all__ = ["DeepSpeedReader", "check_optimizer", "is_deepspeed_tag"]
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_LAYER = re.compile(r"^layer_\d+-model_states\.pt$")
+# What DeepSpeed's load_checkpoint keeps out of the client state it returns (the rest of the
+# model-states dict is returned, DeepSpeed's own keys included, as DeepSpeed does).
+_DS_STATE_KEYS = (
+    "module",
+    "skipped_steps",
+    "global_steps",
+    "dp_world_size",
+    "mp_world_size",
+    "data_sampler",
+    "random_ltd",
+    "lr_scheduler",
+    "optimizer",
+)
+
+
+def is_deepspeed_tag(directory: Path) -> bool:
+    """Whether ``directory`` is a tag directory DeepSpeed wrote (and not a slipstream one)."""
+    if not directory.is_dir() or (directory / MANIFEST).is_file():
+        return False
+    return any(
+        n.endswith(("_model_states.pt", "-model_states.pt", "_optim_states.pt")) or n == "zero"
+        for n in os.listdir(directory)
+    )
+
+
+# ----------------------------------------------------------------------------- unpickling
+class _StandIn:
+    """A DeepSpeed object in a checkpoint pickle, kept as its constructor arguments and state
+    (``args``, attributes): enough to read the loss scaler, the stage enum and fragment
+    addresses without importing DeepSpeed."""
+
+    _ds_class = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots)
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+    @property
+    def value(self) -> Any:
+        """An enum member's value (``ZeroStageEnum(2)`` is pickled as a call with ``2``)."""
+        return self.args[0] if self.args else self.__dict__.get("_value_")
+
+
+_STAND_INS: dict[str, type] = {}
+
+
+def _stand_in(module: str, name: str) -> type:
+    key = f"{module}.{name}"
+    if key not in _STAND_INS:
+        _STAND_INS[key] = type(name, (_StandIn,), {"_ds_class": key})
+    return _STAND_INS[key]
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "deepspeed" or module.startswith("deepspeed."):
+            return _stand_in(module, name)
+        return super().find_class(module, name)
+
+
+_PICKLE = types.ModuleType("slipstream_deepspeed_pickle")
+_PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
+_PICKLE.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """One DeepSpeed file (memory-mapped), every failure a ``CheckpointError`` naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing")
+    try:
+        obj = torch.load(
+            path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_PICKLE
+        )
+    except Exception as e:  # a truncated zip, a foreign pickle: name the file
+        raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {e}") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not DeepSpeed's state dict")
+    return obj
+
+
+def _key(obj: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in obj:
+        raise CheckpointError(
+            f"DeepSpeed checkpoint file {path} has no key '{key}' (keys: {sorted(obj)[:12]}): "
+            "it was not written by DeepSpeed's ZeRO optimizer of a version slipstream reads "
+            "(0.10 or later)"
+        )
+    return obj[key]
+
+
+def _stage_of(value: Any) -> int:
+    return int(value.value if isinstance(value, _StandIn) else value)
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class _Fragment:
+    """Elements ``[start, start + numel)`` of a parameter lie at ``local`` in rank ``rank``'s
+    flat space (its groups' tensors end to end)."""
+
+    rank: int
+    local: int
+    start: int
+    numel: int
+
+
+class _Flat:
+    """A rank's groups of one kind (fp32 master or one optimizer state) as one flat space:
+    ``bases[g]`` is where group ``g`` starts (tensors may be shorter than the space between
+    bases: DeepSpeed strips the tail padding of some)."""
+
+    def __init__(self, bases: list[int], tensors: list[torch.Tensor], what: str) -> None:
+        self.bases, self.tensors, self.what = bases, [t.reshape(-1) for t in tensors], what
+
+    def read(self, local: int, numel: int) -> torch.Tensor:
+        g = bisect.bisect_right(self.bases, local) - 1
+        offset = local - self.bases[g]
+        t = self.tensors[g]
+        if offset + numel > t.numel():
+            raise CheckpointError(
+                f"{self.what} holds {t.numel()} elements in group {g}, fewer than the "
+                f"{offset + numel} the parameter layout needs: the files do not belong together"
+            )
+        return t[offset : offset + numel]
+
+
+class DeepSpeedReader:
+    """A DeepSpeed tag directory through ``CheckpointReader``'s reading interface.
+
+    Raises:
+        CheckpointError: naming the file (and key) for what is missing, damaged or not
+            readable (model/pipeline parallel, universal, MoE checkpoints).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(directory)
+        names = sorted(os.listdir(self.dir))
+        self._refuse_unsupported(names)
+        zero3_models = sorted(
+            (int(m.group(1)), n) for n in names if (m := _ZERO3_MODEL.match(n)) is not None
+        )
+        optim = sorted((int(m.group(2)), n) for n in names if (m := _OPTIM.match(n)) is not None)
+        model_file = self.dir / (zero3_models[0][1] if zero3_models else MODEL_STATES)
+        self.model_states = _load(model_file)
+        self._model_file = model_file
+        self._full: dict[str, torch.Tensor] = {}
+        self._frags: dict[str, tuple[str, list[_Fragment]]] = {}
+        self._flats: dict[tuple[int, str], _Flat] = {}
+        self.tensors: dict[str, dict[str, Any]] = {}
+        ds_config = self.model_states.get("ds_config") or {}
+        self.ds_config: dict[str, Any] = ds_config if isinstance(ds_config, dict) else {}
+        self.train_dtype = _train_dtype(self.ds_config)
+        scalars: dict[str, dict[str, Any]] = {}
+        param_groups: list[dict[str, Any]] = []
+        stage = 0
+        if optim:
+            stage, scalars, param_groups = self._read_zero(optim, zero3_models)
+        else:
+            scalars, param_groups = self._read_stage0()
+        self._read_module(stage)
+        self.manifest = self._manifest(stage, optim, scalars, param_groups)
+
+    # ------------------------------------------------------------ what is refused
+    def _refuse_unsupported(self, names: list[str]) -> None:
+        def refuse(name: str, why: str, fix: str) -> None:
+            raise CheckpointError(f"{self.dir / name}: {why}; slipstream cannot read it. {fix}")
+
+        for n in names:
+            if _LAYER.match(n):
+                refuse(
+                    n,
+                    "a pipeline-parallel layer file (DeepSpeed's PipelineModule checkpoint)",
+                    "Convert it with DeepSpeed's ds_to_universal.py or load it in DeepSpeed and "
+                    "save with pipeline parallelism off",
+                )
+            if n.startswith(("expert_", "layer_")) and "expert_" in n:
+                refuse(n, "a mixture-of-experts expert file", "Save without expert parallelism")
+            if re.search(r"mp_rank_(?!00)\d+_", n):
+                refuse(
+                    n,
+                    "a model-parallel (tensor-parallel) rank file",
+                    "Consolidate it in DeepSpeed first (zero_to_fp32.py) and load the weights "
+                    "with load_module_only",
+                )
+        if "zero" in names and (self.dir / "zero").is_dir():
+            refuse(
+                "zero",
+                "a DeepSpeed universal checkpoint (per-parameter folders)",
+                "Load the ZeRO checkpoint it was converted from",
+            )
+        if MODEL_STATES not in names and not any(_ZERO3_MODEL.match(n) for n in names):
+            raise CheckpointError(
+                f"{self.dir} has no {MODEL_STATES} (nor zero_pp_rank_*_mp_rank_00_model_states"
+                f".pt): not a complete DeepSpeed checkpoint (files: {names[:12]})"
+            )
+
+    # ------------------------------------------------------------ ZeRO files
+    def _read_zero(
+        self, optim: list[tuple[int, str]], zero3_models: list[tuple[int, str]]
+    ) -> tuple[int, dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        world = len(optim)
+        ranks = [r for r, _ in optim]
+        if ranks != list(range(world)):
+            missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+            raise CheckpointError(
+                f"{self.dir} lacks the optimizer files of ranks {missing} "
+                f"(*zero_pp_rank_<r>_mp_rank_00_optim_states.pt): copy the whole tag directory"
+            )
+        osds = []
+        for _, name in optim:
+            path = self.dir / name
+            osds.append((path, _key(_load(path), "optimizer_state_dict", path)))
+        first_path, first = osds[0]
+        if "zero_stage" in first:
+            stage = _stage_of(first["zero_stage"])
+        elif "single_partition_of_fp32_groups" in first:
+            stage = 0  # DeepSpeed's BF16_Optimizer (bf16 without ZeRO): the stage-1 layout
+        else:
+            _key(first, "zero_stage", first_path)
+            stage = 0
+        count = first.get("partition_count")
+        counts = count if isinstance(count, list) else [count]
+        if any(c is not None and int(c) != world for c in counts):
+            raise CheckpointError(
+                f"{first_path} says the states were partitioned over {counts} ranks but "
+                f"{self.dir} holds {world} optimizer files: files are missing or come from "
+                "different runs"
+            )
+        shapes = _key(self.model_states, "param_shapes", self._model_file)
+        if stage == 3:
+            if len(zero3_models) != world:
+                raise CheckpointError(
+                    f"{self.dir} has {len(zero3_models)} zero_pp_rank_*_model_states.pt files "
+                    f"for {world} optimizer files: copy the whole tag directory"
+                )
+            base, groups = self._layout_zero3(osds, shapes, world)
+            self._read_zero3_frozen(zero3_models, world)
+        else:
+            base, groups = self._layout_zero12(osds, shapes, world)
+        scalars = self._optimizer_states(osds, base, groups)
+        return stage, scalars, groups
+
+    def _layout_zero12(
+        self, osds: list[tuple[Path, dict[str, Any]]], shapes: list[dict[str, Any]], world: int
+    ) -> tuple[list[Any], list[dict[str, Any]]]:
+        path0, osd0 = osds[0]
+        partitions = [_key(o, "single_partition_of_fp32_groups", p) for p, o in osds]
+        paddings = [_key(o, "group_paddings", p) for p, o in osds]
+        align = osd0.get("param_alignment_paddings")
+        if len(shapes) != len(partitions[0]):
+            raise CheckpointError(
+                f"{self._model_file} lists {len(shapes)} param groups in 'param_shapes' but "
+                f"{path0} holds {len(partitions[0])} fp32 partitions"
+            )
+        sizes = [int(partitions[0][g].numel()) + int(paddings[0][g]) for g in range(len(shapes))]
+        bases = [sum(sizes[:g]) for g in range(len(shapes))]
+        for g, group in enumerate(shapes):
+            offset = 0
+            for j, (name, shape) in enumerate(group.items()):
+                numel = math.prod(shape)
+                frags, done = [], 0
+                while done < numel:
+                    idx = offset + done
+                    rank, local = divmod(idx, sizes[g])
+                    n = min(numel - done, sizes[g] - local)
+                    frags.append(_Fragment(rank, bases[g] + local, done, n))
+                    done += n
+                self._add_trainable(name, tuple(shape), frags)
+                offset += numel + (int(align[g][j]) if align else 0)
+            if offset > sizes[g] * world:
+                raise CheckpointError(
+                    f"param group {g} of {self._model_file} needs {offset} elements but the "
+                    f"{world} partitions in {self.dir} hold {sizes[g] * world}"
+                )
+        for r, (path, _) in enumerate(osds):
+            self._flats[(r, "fp32")] = _Flat(bases, partitions[r], f"{path} fp32 partition")
+        base = [_base_state(o, p) for p, o in osds]
+        for r, (path, _) in enumerate(osds):
+            states = base[r][0]
+            for key in _state_keys(states):
+                self._flats[(r, key)] = _Flat(bases, [s[key] for s in states], f"{path} '{key}'")
+        return base, base[0][1]
+
+    def _layout_zero3(
+        self, osds: list[tuple[Path, dict[str, Any]]], shapes: list[dict[str, Any]], world: int
+    ) -> tuple[list[Any], list[dict[str, Any]]]:
+        local = 0
+        for group in shapes:
+            for name, shape in group.items():
+                numel = math.prod(shape)
+                per_rank = math.ceil(numel / world)
+                frags = [
+                    _Fragment(r, local, r * per_rank, min(per_rank, numel - r * per_rank))
+                    for r in range(world)
+                    if r * per_rank < numel
+                ]
+                self._add_trainable(name, tuple(shape), frags)
+                local += per_rank
+        base = [_base_state(o, p) for p, o in osds]
+        for r, (path, osd) in enumerate(osds):
+            flat = _key(osd, "fp32_flat_groups", path)
+            bases = [sum(int(t.numel()) for t in flat[:g]) for g in range(len(flat))]
+            if bases[-1] + int(flat[-1].numel()) < local:
+                raise CheckpointError(
+                    f"{path} holds {bases[-1] + int(flat[-1].numel())} fp32 elements, fewer "
+                    f"than the {local} that 'param_shapes' of {self._model_file} needs"
+                )
+            self._flats[(r, "fp32")] = _Flat(bases, flat, f"{path} fp32_flat_groups")
+            states = base[r][0]
+            for key in _state_keys(states):
+                self._flats[(r, key)] = _Flat(bases, [s[key] for s in states], f"{path} '{key}'")
+        return base, base[0][1]
+
+    def _read_zero3_frozen(self, models: list[tuple[int, str]], world: int) -> None:
+        shapes = self.model_states.get("frozen_param_shapes") or {}
+        if not shapes:
+            return
+        per_rank = [
+            _key(_load(self.dir / n), "frozen_param_fragments", self.dir / n) for _, n in models
+        ]
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            parts = [per_rank[r][name].reshape(-1) for r in range(world)]
+            full = torch.cat(parts)[:numel].reshape(tuple(shape))
+            self._full[f"model/{name}"] = full
+            self._table(f"model/{name}", tuple(shape), full.dtype)
+
+    def _add_trainable(self, name: str, shape: tuple[int, ...], frags: list[_Fragment]) -> None:
+        self._frags[f"master/{name}"] = ("fp32", frags)
+        self._table(f"master/{name}", shape, torch.float32)
+
+    def _optimizer_states(
+        self, osds: list[tuple[Path, dict[str, Any]]], base: list[Any], groups: list[Any]
+    ) -> dict[str, dict[str, Any]]:
+        states, _ = base[0]
+        keys = _state_keys(states)
+        for name, (_, frags) in list(self._frags.items()):
+            if name.startswith("master/"):
+                param = name.removeprefix("master/")
+                for key in keys:
+                    self._frags[f"optim/{key}/{param}"] = (key, frags)
+                    self._table(f"optim/{key}/{param}", self.tensors[name]["shape"], torch.float32)
+        return _scalars(states, len(groups), osds[0][0])
+
+    # ------------------------------------------------------------ stage 0
+    def _read_stage0(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        sd = self.model_states.get("optimizer")
+        if sd is None:
+            return {}, []
+        if "state" not in sd or "param_groups" not in sd:
+            raise CheckpointError(
+                f"{self._model_file} key 'optimizer' holds a {sorted(sd)[:6]} state dict, not a "
+                "torch optimizer's: fp16/bf16 without ZeRO (DeepSpeed's FP16_Optimizer) is not "
+                "read; load with load_optimizer_states=False to take the weights only"
+            )
+        module = self.model_states.get("module") or {}
+        skip = set(self.model_states.get("buffer_names") or [])
+        skip |= set(self.model_states.get("shared_params") or {})
+        names = [n for n in module if n not in skip]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        if len(ids) != len(names):
+            raise CheckpointError(
+                f"{self._model_file} key 'optimizer' holds {len(ids)} parameters but 'module' "
+                f"{len(names)}: frozen parameters without ZeRO cannot be matched to their "
+                "states; load with load_optimizer_states=False"
+            )
+        states = [sd["state"].get(i, {}) for i in ids]
+        for name, state in zip(names, states):
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.numel() == module[name].numel() > 1:
+                    self._full[f"optim/{key}/{name}"] = value
+                    self._table(f"optim/{key}/{name}", tuple(module[name].shape), value.dtype)
+        groups = [dict(g) for g in sd["param_groups"]]
+        return _scalars(states, len(groups), self._model_file), groups
+
+    # ------------------------------------------------------------ module, manifest
+    def _read_module(self, stage: int) -> None:
+        module = _key(self.model_states, "module", self._model_file)
+        if module is None:
+            raise CheckpointError(
+                f"{self._model_file} key 'module' is None: a pipeline-parallel checkpoint "
+                "(the weights are in layer_* files), which slipstream cannot read"
+            )
+        buffers = set(self.model_states.get("buffer_names") or [])
+        shared = set(self.model_states.get("shared_params") or {})
+        for name, value in module.items():
+            if name in shared or not isinstance(value, torch.Tensor):
+                continue
+            kind = "buffer" if name in buffers else "model"
+            if stage == 3 and kind == "model":
+                continue  # empty placeholders: the values are the fp32 partitions
+            self._full[f"{kind}/{name}"] = value
+            self._table(f"{kind}/{name}", tuple(value.shape), value.dtype)
+        for name in [n for n in self.tensors if n.startswith("master/")]:
+            model = "model/" + name.removeprefix("master/")
+            if model not in self.tensors:  # stage 3: the training-dtype value is the master's
+                self._frags[model] = self._frags[name]
+                self._table(model, self.tensors[name]["shape"], self.train_dtype)
+
+    def _manifest(
+        self,
+        stage: int,
+        optim: list[tuple[int, str]],
+        scalars: dict[str, dict[str, Any]],
+        groups: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        ms, path = self.model_states, self._model_file
+        steps = int(_key(ms, "global_steps", path))
+        gas = int(self.ds_config.get("gradient_accumulation_steps") or 1)
+        hparams = [
+            {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            for g in groups
+        ]
+        for g in hparams:
+            g.pop("step", None)  # DeepSpeed's FusedAdam group counter, not torch's
+        return {
+            "source": "deepspeed",
+            "ds_version": ms.get("ds_version"),
+            "world_size": len(optim) or int(ms.get("dp_world_size") or 1),
+            "dp_world_size": int(ms.get("dp_world_size") or 1),
+            "zero_stage": stage,
+            "global_steps": steps,
+            "global_samples": int(ms.get("global_samples") or 0),
+            "micro_steps": steps * gas,
+            "skipped_steps": int(ms.get("skipped_steps") or 0),
+            "loss_scaler": self._loss_scaler(optim),
+            "param_groups": hparams,
+            "optim_keys": sorted({t.split("/")[1] for t in self.tensors if t.startswith("optim/")}),
+            "optim_scalars": scalars,
+            "rank_state": False,
+        }
+
+    def _loss_scaler(self, optim: list[tuple[int, str]]) -> dict[str, Any] | None:
+        if not optim:
+            return None
+        osd = _load(self.dir / optim[0][1])["optimizer_state_dict"]
+        scaler = osd.get("loss_scaler")
+        if not isinstance(scaler, _StandIn):
+            return None
+        state = vars(scaler)
+        if "cur_scale" not in state:
+            return None
+        return {
+            "scale": float(state["cur_scale"]),
+            "cur_hysteresis": int(state.get("cur_hysteresis", 1)),
+            "iteration": int(state.get("cur_iter", 0)),
+            "last_overflow_iter": int(state.get("last_overflow_iter", -1)),
+        }
+
+    # ------------------------------------------------------------ CheckpointReader's interface
+    def _table(self, tensor: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.tensors[tensor] = {"shape": list(shape), "dtype": dtype}
+
+    def verify_share(self, rank: int, world: int) -> None:
+        """Every file was opened (and its pickle read) in the constructor."""
+
+    def trust_all(self) -> None:
+        """Nothing to skip: DeepSpeed writes no checksums."""
+
+    def load_object(self, name: str) -> Any:
+        """``extra.pt``'s content (the lr scheduler and client state), in DeepSpeed's terms."""
+        if name != "extra.pt":
+            raise CheckpointError(f"a DeepSpeed checkpoint has no {name}")
+        ms = self.model_states
+        return {
+            "lr_scheduler": ms.get("lr_scheduler"),
+            "client_state": {k: v for k, v in ms.items() if k not in _DS_STATE_KEYS},
+        }
+
+    def has(self, tensor: str) -> bool:
+        return tensor in self.tensors
+
+    def names(self, kind: str) -> list[str]:
+        prefix = kind + "/"
+        return [t.removeprefix(prefix) for t in self.tensors if t.startswith(prefix)]
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        return tuple(self.tensors[tensor]["shape"])
+
+    def dtype(self, tensor: str) -> torch.dtype:
+        dtype: torch.dtype = self.tensors[tensor]["dtype"]
+        return dtype
+
+    def numel(self, tensor: str) -> int:
+        return math.prod(self.shape(tensor))
+
+    def read(
+        self,
+        tensor: str,
+        start: int = 0,
+        stop: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of flattened ``tensor`` (into ``out``, cast, if given)."""
+        if tensor not in self.tensors:
+            raise CheckpointError(f"DeepSpeed checkpoint {self.dir} holds no tensor '{tensor}'")
+        numel = self.numel(tensor)
+        stop = numel if stop is None else stop
+        if not 0 <= start <= stop <= numel:
+            raise CheckpointError(f"range [{start}, {stop}) outside '{tensor}' of {numel} elements")
+        if out is None:
+            out = torch.empty(stop - start, dtype=self.dtype(tensor))
+        if tensor in self._full:
+            out.copy_(self._full[tensor].reshape(-1)[start:stop])
+            return out
+        kind, frags = self._frags[tensor]
+        for f in frags:
+            lo, hi = max(start, f.start), min(stop, f.start + f.numel)
+            if lo < hi:
+                part = self._flats[(f.rank, kind)].read(f.local + lo - f.start, hi - lo)
+                out[lo - start : hi - start].copy_(part)
+        return out
+
+    def read_full(self, tensor: str) -> torch.Tensor:
+        return self.read(tensor).reshape(self.shape(tensor))
+
+    def close(self) -> None:
+        self._full.clear()
+        self._flats.clear()
+
+
+# The per-element states of the optimizer families a DeepSpeed run may hold.
+_FAMILY_STATES = {
+    "adam": {"exp_avg", "exp_avg_sq"},
+    "lion": {"exp_avg"},
+    "sgd": {"momentum_buffer"},
+}
+
+
+def check_optimizer(reader: DeepSpeedReader, opt: Any) -> None:
+    """The engine's optimizer keeps the states the DeepSpeed run saved, or an error naming
+    both (a different optimizer would start from states it cannot use)."""
+    inner = type(getattr(opt, "optimizer", opt)).__name__
+    family = next((f for f in _FAMILY_STATES if f in inner.lower()), None)
+    saved = set(reader.manifest["optim_keys"])
+    if family is None or not saved or saved == _FAMILY_STATES[family]:
+        return
+    ds_type = (reader.ds_config.get("optimizer") or {}).get("type", "a client optimizer")
+    raise CheckpointError(
+        f"{reader.dir} holds the states {sorted(saved)} of DeepSpeed's optimizer ({ds_type}), "
+        f"but this engine's optimizer is {inner}, which keeps {sorted(_FAMILY_STATES[family])}: "
+        "configure the optimizer the DeepSpeed run used, or pass load_optimizer_states=False "
+        "to load the weights and counters only"
+    )
+
+
+def _train_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def _base_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(per group optimizer state, param groups) of a ZeRO file's base optimizer."""
+    if "base_optimizer_state" in osd:
+        base = osd["base_optimizer_state"]
+        if isinstance(base, list):  # elastic_checkpoint: per-group states without padding
+            step = osd.get("base_optimizer_state_step")
+            states = [dict(s, step=s.get("step", step)) for s in base]
+            return states, [{} for _ in base]
+    else:
+        base = _key(osd, "optimizer_state_dict", path)
+    state, groups = _key(base, "state", path), _key(base, "param_groups", path)
+    ids = [i for g in groups for i in g["params"]]
+    return [state.get(i, {}) for i in ids], groups
+
+
+def _state_keys(states: list[dict[str, Any]]) -> list[str]:
+    return sorted(
+        {k for s in states for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    )
+
+
+def _scalars(states: list[dict[str, Any]], n_groups: int, path: Path) -> dict[str, dict[str, Any]]:
+    """Per-group scalar states (Adam's ``step``) in the manifest's terms; DeepSpeed keeps one
+    per flat group, and every group must agree (DeepSpeed asserts the same)."""
+    found: dict[str, set[Any]] = {}
+    for state in states:
+        for k, v in state.items():
+            if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+                found.setdefault(k, set()).add(v.item() if isinstance(v, torch.Tensor) else v)
+    one: dict[str, Any] = {}
+    for k, values in found.items():
+        if len(values) > 1:
+            raise CheckpointError(f"{path}: optimizer state '{k}' differs between groups: {values}")
+        value = values.pop()
+        # torch's Adam keeps ``step`` as a float32 tensor; DeepSpeed's FusedAdam as an int.
+        one[k] = {"value": float(value), "tensor": True, "dtype": "float32"}
+    return {str(g): dict(one) for g in range(n_groups)}

@@ -1,0 +1,196 @@
+"""Write a slipstream checkpoint in DeepSpeed's ZeRO-1/2 layout, so a user can go back.
+
+``export_deepspeed`` lays out, for the DeepSpeed world size asked for, exactly what DeepSpeed
+0.19's ZeRO-1/2 optimizer writes at that size (``from_deepspeed`` describes the layout)::
+
+    <out>/latest
+    <out>/<tag>/mp_rank_00_model_states.pt                  module, param_shapes, counters,
+                                                            lr scheduler, client state
+    <out>/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt rank r's fp32 partition and
+                                                            its Adam states (torch's format)
+
+DeepSpeed's ``load_checkpoint`` at that world size and ZeRO stage 1 or 2 continues from it,
+and its ``zero_to_fp32.py`` reads it. The export needs the parameter order of each param group
+(``param_order`` in the manifest, written since this module exists): DeepSpeed's flat
+partitions have no names in them. Not written: ZeRO-3's per-rank layout (export at stage 2
+and load it in DeepSpeed at stage 2, or take the weights with ``zero_to_fp32``), fp16 loss
+scaler state, and tensor- or pipeline-parallel checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.checkpoint.export import resolve_tag_dir
+from slipstream.checkpoint.format import CheckpointError, CheckpointReader, atomic_write_text
+
+__all__ = ["export_deepspeed"]
+
+DS_VERSION = "0.19.8"
+"""The DeepSpeed version the files say they come from (DeepSpeed refuses an empty one)."""
+
+
+def export_deepspeed(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    world_size: int | None = None,
+    zero_stage: int = 2,
+    tag: str | None = None,
+) -> Path:
+    """Write ``checkpoint`` as a DeepSpeed ZeRO-``zero_stage`` checkpoint for ``world_size``
+    data-parallel ranks (default: the world it was saved at) in ``out_dir/<tag>``.
+
+    Raises:
+        CheckpointError: a checkpoint without ``param_order`` (saved by an older slipstream),
+            with tensor-parallel shards, or a stage other than 1 or 2.
+    """
+    if zero_stage not in (1, 2):
+        raise CheckpointError(
+            f"export to DeepSpeed at zero_stage={zero_stage} is not supported: export at stage "
+            "1 or 2 (DeepSpeed at stage 3 cannot load another stage's layout; take the "
+            "weights with zero_to_fp32 instead)"
+        )
+    reader = CheckpointReader(resolve_tag_dir(checkpoint))
+    m = reader.manifest
+    order: list[list[str]] | None = m.get("param_order")
+    if order is None:
+        raise CheckpointError(
+            f"{reader.dir / 'manifest.json'} has no 'param_order' (saved by an older "
+            "slipstream): load it and save it again, then export"
+        )
+    if any(".tp" in n and n.rsplit(".tp", 1)[1].count("of") for n in reader.names("model")):
+        raise CheckpointError(f"{reader.dir} holds tensor-parallel shards: export needs TP 1")
+    world = world_size or int(m["dp_world_size"])
+    tag = tag or reader.dir.name
+    out = Path(out_dir)
+    tmp = out / f".{tag}.export-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        ds_config = {"zero_optimization": {"stage": zero_stage}}
+        for r, state in enumerate(_optimizer_files(reader, order, world, zero_stage)):
+            name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            torch.save(
+                {"optimizer_state_dict": state, "ds_config": ds_config, "ds_version": DS_VERSION},
+                tmp / name,
+            )
+        torch.save(
+            _model_states(reader, order, world, ds_config), tmp / "mp_rank_00_model_states.pt"
+        )
+    finally:
+        reader.close()
+    target = out / tag
+    if target.exists():
+        shutil.rmtree(tmp)
+        raise CheckpointError(f"{target} exists: choose another output directory or tag")
+    os.replace(tmp, target)
+    atomic_write_text(out / "latest", tag)
+    return target
+
+
+def _master(reader: CheckpointReader, name: str) -> torch.Tensor:
+    source = f"master/{name}" if reader.has(f"master/{name}") else f"model/{name}"
+    return reader.read(source).float()
+
+
+def _optimizer_files(
+    reader: CheckpointReader, order: list[list[str]], world: int, stage: int
+) -> list[dict[str, Any]]:
+    """Each rank's ``optimizer_state_dict`` as DeepSpeed's ZeRO-1/2 ``state_dict`` holds it."""
+    m = reader.manifest
+    keys: list[str] = m.get("optim_keys", [])
+    scalars = m.get("optim_scalars", {})
+    ranks: list[dict[str, Any]] = [
+        {
+            "zero_stage": stage,
+            "partition_count": [world] * len(order),
+            "group_paddings": [],
+            "param_alignment_paddings": [[0] * len(g) for g in order],
+            "single_partition_of_fp32_groups": [],
+            "ds_version": DS_VERSION,
+            "base_optimizer_state": {"state": {}, "param_groups": []},
+        }
+        for _ in range(world)
+    ]
+    for g, names in enumerate(order):
+        total = sum(reader.numel(f"model/{n}") for n in names)
+        padded = math.ceil(total / (2 * world)) * (2 * world)
+        size = padded // world
+
+        def flat(read: Any, names: list[str] = names, padded: int = padded) -> torch.Tensor:
+            parts = [read(n) for n in names]
+            return torch.cat([*parts, torch.zeros(padded - sum(p.numel() for p in parts))])
+
+        fp32 = flat(lambda n: _master(reader, n))
+        states = {k: flat(lambda n, k=k: reader.read(f"optim/{k}/{n}").float()) for k in keys}
+        group = {
+            k: (tuple(v) if isinstance(v, list) else v) for k, v in m["param_groups"][g].items()
+        }
+        saved = scalars.get(str(g), {})
+        step = float(saved["step"]["value"]) if "step" in saved else None
+        group.setdefault("bias_correction", True)  # DeepSpeed's FusedAdam reads it
+        for r in range(world):
+            pad = max(0, min(size, (r + 1) * size - total))
+            lo, hi = r * size, (r + 1) * size
+            ranks[r]["group_paddings"].append(pad)
+            ranks[r]["single_partition_of_fp32_groups"].append(fp32[lo : hi - pad].clone())
+            state: dict[str, Any] = {k: v[lo:hi].clone() for k, v in states.items()}
+            if step is not None:
+                state["step"] = torch.tensor(step)
+            ranks[r]["base_optimizer_state"]["state"][g] = state
+            ranks[r]["base_optimizer_state"]["param_groups"].append(dict(group, params=[g]))
+    return ranks
+
+
+def _model_states(
+    reader: CheckpointReader, order: list[list[str]], world: int, ds_config: dict[str, Any]
+) -> dict[str, Any]:
+    m = reader.manifest
+    trained = {n for g in order for n in g}
+    module: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name in reader.names("model"):
+        source = f"model/{name}"
+        module[name] = reader.read(source).reshape(reader.shape(source))
+    buffers = reader.names("buffer")
+    for name in buffers:
+        module[name] = reader.read_full(f"buffer/{name}")
+    extra = reader.load_object("extra.pt")
+    state = {
+        "module": module,
+        "buffer_names": buffers,
+        "optimizer": None,
+        "param_shapes": [
+            OrderedDict((n, torch.Size(reader.shape(f"model/{n}"))) for n in g) for g in order
+        ],
+        "frozen_param_shapes": {
+            n: torch.Size(reader.shape(f"model/{n}"))
+            for n in module
+            if n not in trained and n not in buffers
+        },
+        "shared_params": {},
+        "frozen_param_fragments": {},
+        "lr_scheduler": extra["lr_scheduler"],
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": m["skipped_steps"],
+        "global_steps": m["global_steps"],
+        "global_samples": m["global_samples"],
+        "dp_world_size": world,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": ds_config,
+        "ds_version": DS_VERSION,
+    }
+    client = extra["client_state"] or {}
+    clash = sorted(set(client) & set(state))
+    if clash:
+        raise CheckpointError(f"client_state keys {clash} collide with DeepSpeed's own keys")
+    state.update(client)
+    return state

@@ -1,0 +1,38 @@
+"""Regenerate ``deepspeed_fixture/``: a ZeRO-2 checkpoint DeepSpeed 0.19.8 wrote at world 2
+(fp32, CPU; about 12 KB) and DeepSpeed's own losses for the steps after it.
+
+It lets ``test_from_deepspeed`` check the reading of DeepSpeed's layout where DeepSpeed is not
+installed (CI installs ``[dev]`` only); where it is, the tests run DeepSpeed itself.
+Run from the repository root with DeepSpeed installed::
+
+    DS_ACCELERATOR=cpu python -m tests.checkpoint.make_deepspeed_fixture
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from tests.checkpoint import _deepspeed_workloads as w
+from tests.distributed.harness import run_world
+
+FIXTURE = Path(__file__).parent / "deepspeed_fixture"
+CASE = (2, False)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        losses = run_world(w.deepspeed_runs, w.DS_WORLD, tmp, [CASE], timeout_s=600)[0][CASE]
+        shutil.rmtree(FIXTURE, ignore_errors=True)
+        # The checkpoint only: not the recovery scripts DeepSpeed copies beside it.
+        shutil.copytree(Path(tmp) / "ds_s2", FIXTURE, ignore=shutil.ignore_patterns("*.py"))
+    (FIXTURE / "expected.json").write_text(
+        json.dumps({"deepspeed": "0.19.8", "stage": CASE[0], "losses": losses}, indent=1) + "\n"
+    )
+    print(f"wrote {FIXTURE}: {sorted(p.name for p in FIXTURE.rglob('*'))}")
+
+
+if __name__ == "__main__":
+    main()
