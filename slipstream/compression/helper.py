@@ -43,9 +43,10 @@ def convert_conv1d_to_linear(model: Any, convert_type: type) -> Any:
     from torch import nn
 
     root = getattr(model, "module", model)
-    for name, module in list(root.named_modules()):
-        if not isinstance(module, convert_type):
+    for name, found in list(root.named_modules()):
+        if not isinstance(found, convert_type):
             continue
+        module: Any = found
         d_in, d_out = module.weight.shape
         linear = nn.Linear(d_in, d_out, bias=module.bias is not None)
         linear = linear.to(device=module.weight.device, dtype=module.weight.dtype)
