@@ -23,6 +23,7 @@ from slipstream.compression.layers import is_compressible, make_compressible_
 from slipstream.compression.scheduler import modules_matching
 from slipstream.config.compression import CompressionConfig
 from slipstream.config.schema import SlipstreamConfig
+from slipstream.zero.param import is_zero_param
 
 __all__ = ["init_compression", "redundancy_clean", "student_initialization"]
 
@@ -161,6 +162,7 @@ def init_compression(
     _refuse_mpu(mpu)
     cfg = get_compression_config(deepspeed_config)
     c_model = _unwrap(model)
+    _check_whole(c_model, "init_compression")
     if cfg.layer_reduction.enabled:
         if teacher_model is None:
             raise ValueError(
@@ -188,6 +190,7 @@ def redundancy_clean(model: nn.Module, deepspeed_config: ConfigLike, mpu: Any = 
     _refuse_mpu(mpu)
     cfg = get_compression_config(deepspeed_config)
     c_model = _unwrap(model)
+    _check_whole(c_model, "redundancy_clean")
     items = sorted(_assignments(c_model, cfg), key=lambda a: _CLEAN_ORDER.index(a.technique))
     for item in items:
         shrink = bool(item.related)
@@ -259,6 +262,19 @@ def student_initialization(
         with torch.no_grad():
             for s_param, t_param in zip(s_params, t_params, strict=True):
                 s_param.copy_(t_param)
+
+
+def _check_whole(model: nn.Module, what: str) -> None:
+    """Masks and quantized values are computed from whole weights, never ZeRO-3 shards."""
+    for name, p in model.named_parameters():
+        if is_zero_param(p) and p.numel() == 0:
+            raise ValueError(
+                f"{what}: parameter {name!r} is a ZeRO-3 shard (empty here), and compression "
+                "needs whole weights. Call init_compression before deepspeed.initialize and "
+                "outside zero.Init; call redundancy_clean on a model loaded from the "
+                "consolidated weights (engine.save_16bit_model, or "
+                "get_fp32_state_dict_from_zero_checkpoint)"
+            )
 
 
 def _refuse_mpu(mpu: Any) -> None:

@@ -1,9 +1,10 @@
 """The engine side of ``compression_training``: DeepSpeed's engine owns a compression
 scheduler, checks it before the first forward and steps it after every applied optimizer
 step. The runtime sits below this package, so this registers as an engine extension
-(``slipstream.runtime.extensions``) and follows the engine's step counters from forward
-pre-hooks: the switches a forward sees are exactly those DeepSpeed's scheduler has set by then
-(they only ever turn on, each at a step count).
+(``slipstream.runtime.extensions``) that follows the engine's applied-step count after each
+``engine.step()`` and, for paths that step the optimizer otherwise, before each forward: the
+switches are always those DeepSpeed's scheduler has set by then (they only ever turn on,
+each at a step count).
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ def attach_compression_scheduler_(engine: Any) -> CompressionScheduler:
 
     engine.register_forward_pre_hook(before_engine_forward)
     engine.module.register_forward_pre_hook(before_module_forward)
+    engine_step = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return engine_step(*args, **kwargs)
+        finally:  # as DeepSpeed: the switches move with the step, not at the next forward
+            _catch_up(engine, scheduler)
+
+    object.__setattr__(engine, "step", step)
     return scheduler
 
 

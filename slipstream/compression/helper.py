@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["recursive_getattr", "recursive_setattr"]
+__all__ = ["convert_conv1d_to_linear", "recursive_getattr", "recursive_setattr"]
 
 
 def recursive_getattr(model: Any, module_name: str) -> Any:
@@ -34,3 +34,24 @@ def recursive_setattr(model: Any, module_name: str, module: Any) -> None:
     parent_name, _, leaf = module_name.rpartition(".")
     parent = recursive_getattr(model, parent_name) if parent_name else model
     setattr(parent, leaf, module)
+
+
+def convert_conv1d_to_linear(model: Any, convert_type: type) -> Any:
+    """Replace every ``convert_type`` module (GPT-2's ``Conv1D``, weight ``(in, out)``) with
+    an equivalent ``nn.Linear`` (weight ``(out, in)``), so compression can select it; returns
+    the model (DeepSpeedExamples' GPT-2 compression script calls this first)."""
+    from torch import nn
+
+    root = getattr(model, "module", model)
+    for name, found in list(root.named_modules()):
+        if not isinstance(found, convert_type):
+            continue
+        module: Any = found
+        d_in, d_out = module.weight.shape
+        linear = nn.Linear(d_in, d_out, bias=module.bias is not None)
+        linear = linear.to(device=module.weight.device, dtype=module.weight.dtype)
+        linear.weight.data = module.weight.data.t().contiguous()
+        if module.bias is not None:
+            linear.bias.data = module.bias.data.view(-1)
+        recursive_setattr(root, name, linear)
+    return model

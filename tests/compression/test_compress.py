@@ -188,3 +188,16 @@ def test_layer_reduction_errors() -> None:
         init_compression(m.tiny_bert(2, layers=2), cfg, teacher_model=teacher)
     with pytest.raises(AttributeError, match="no attribute '3'"):
         init_compression(m.tiny_bert(2, layers=2), cfg, teacher_model=m.tiny_bert(1, layers=2))
+
+
+def test_zero3_shards_are_refused() -> None:
+    """A released ZeRO-3 parameter (empty, with ds_id) would give masks of nothing: refused."""
+    model = m.tiny_bert(0)
+    inter = model.bert.encoder.layer[0].intermediate.dense
+    inter.weight.data = torch.empty(0)
+    inter.weight.ds_id = 7  # type: ignore[attr-defined]
+    cfg = m.ds_config(weight_quantization=m.weight_quantization())
+    with pytest.raises(ValueError, match="ZeRO-3 shard"):
+        init_compression(model, cfg)
+    with pytest.raises(ValueError, match="consolidated weights"):
+        redundancy_clean(model, cfg)

@@ -4,6 +4,7 @@ compression library: 0.19.8 removed it, so that test needs e.g. 0.19.6 on PYTHON
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -54,6 +55,18 @@ def test_quantization_starts_exactly_at_the_offset(ours: dict[str, dict]) -> Non
     got = ours["weight_offset2"]["losses"]
     assert got[:2] == pytest.approx(plain[:2], rel=1e-6)
     assert abs(got[2] - plain[2]) > 1e-4
+
+
+def test_zero3_at_world_2_trains_like_one_rank(ours: dict[str, dict]) -> None:
+    """ZeRO-3 with every parameter released between uses (persistence threshold 0): the
+    compression-aware layers quantize the gathered weights; two ranks on the same batch
+    reproduce the one-rank losses."""
+    cfg = copy.deepcopy(CONFIGS["w8w4_a8_dynamic"])
+    cfg["train_batch_size"] = 8
+    cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    got = run_world(w.slipstream_run, 2, cfg, False, timeout_s=300)
+    for rank in got:
+        assert rank["losses"] == pytest.approx(ours["w8w4_a8_dynamic"]["losses"], rel=1e-5)
 
 
 @pytest.mark.skipif(
