@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.cli._binding import BIND_CORES_ENV, plan_core_binding
-from slipstream.cli._failures import classify_failures, format_report, track_worker_stops
+from slipstream.cli._failures import (
+    classify_failures,
+    format_report,
+    job_exit_status,
+    track_worker_stops,
+)
 from slipstream.cli._hostfile import (
     LaunchError,
     ResourceMap,
@@ -415,4 +420,4 @@ def _report_rank_failure(err: Any, plan: LocalPlan, run_id: str, stops: dict[int
             hint = f"its output is in {found[-1]}/stderr.log"
     for line in format_report(failures, hint):
         print(line, file=sys.stderr, flush=True)
-    return cause.exit_status
+    return job_exit_status(failures)
