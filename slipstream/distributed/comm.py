@@ -56,6 +56,7 @@ __all__ = [
     "COMM_TIMEOUT_ENV",
     "DEFAULT_COMM_TIMEOUT_S",
     "CollectiveTimeoutError",
+    "PeerDiedError",
     "ReduceOp",
     "all_gather_into_tensor",
     "all_gather_object",
@@ -570,6 +571,7 @@ def monitored_barrier(timeout: timedelta, what: str) -> None:
     """A barrier that names the ranks that did not arrive within ``timeout`` (any backend).
 
     Raises:
+        PeerDiedError: "``what``: rank N died ..." when a rank's connection closed first.
         RuntimeError: "``what``: ranks [..] did not arrive within N s".
     """
     if get_world_size() == 1:
@@ -580,15 +582,32 @@ def monitored_barrier(timeout: timedelta, what: str) -> None:
             "comm.ensure_control_group on every rank) first"
         )
     comm_counters.record("barrier", None, 0, None)
+    start = time.monotonic()
     try:
         dist.monitored_barrier(_CONTROL["group"], timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
         found = re.findall(r"Ranks? ([\d, ]+) failed", str(e))
         missing = sorted({int(r) for r in re.findall(r"\d+", found[-1])}) if found else []
+        elapsed = time.monotonic() - start
+        if elapsed < 0.9 * timeout.total_seconds():  # not a timeout: the connection closed
+            who = _ranks_text(missing) if missing else "a rank"
+            raise PeerDiedError(
+                f"{what}: {who} died (its connection closed {elapsed:.2f} s into the "
+                f"barrier, long before the {timeout.total_seconds():.0f} s timeout): see "
+                f"that rank's own error"
+            ) from e
         raise RuntimeError(
             f"{what}: not every rank called it within {timeout.total_seconds():.0f} s (ranks "
             f"that did not arrive: {missing or str(e)}). {what} must be called on every rank"
         ) from e
+
+
+class PeerDiedError(RuntimeError):
+    """A rank's process ended while the others waited for it (not a timeout)."""
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
