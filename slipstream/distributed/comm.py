@@ -634,7 +634,32 @@ def check_same_across_ranks(value: Any, what: str, group: Group = None) -> None:
         for r, d in enumerate(digests):
             groups[d].append(r)
         parts = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+        values = all_gather_object(value, group)  # the error path only: name the difference
+        me = get_rank(group)
+        other = next(r for r, d in enumerate(digests) if d != digests[me])
         raise RuntimeError(
-            f"{what} differs between ranks (groups that agree: {parts}); this rank "
-            f"({get_rank()}) has {value!r:.300}. Every rank must build the same {what}"
+            f"{what} differs between ranks (groups that agree: {parts}); "
+            f"{_first_difference(value, values[other], global_rank(group, me), global_rank(group, other))}. "
+            f"Every rank must build the same {what}"
         )
+
+
+def _first_difference(mine: Any, theirs: Any, me: int, other: int) -> str:
+    """Where two ranks' values first differ: the first differing item of two sequences
+    (a parameter of a model's list), or the whole values, each shown up to 300 characters."""
+    if isinstance(mine, list | tuple) and isinstance(theirs, list | tuple):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return (
+                    f"the first difference is item {i}: this rank ({me}) has {a!r:.300}, "
+                    f"rank {other} has {b!r:.300}"
+                )
+        if len(mine) != len(theirs):
+            n = min(len(mine), len(theirs))
+            extra = mine[n] if len(mine) > n else theirs[n]
+            return (
+                f"this rank ({me}) has {len(mine)} items, rank {other} {len(theirs)}; the "
+                f"first {n} agree, then {'this rank' if len(mine) > n else f'rank {other}'} "
+                f"has {extra!r:.300}"
+            )
+    return f"this rank ({me}) has {mine!r:.300}, rank {other} has {theirs!r:.300}"
