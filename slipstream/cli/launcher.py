@@ -49,7 +49,7 @@ from slipstream.cli._multinode import (
     run_parallel,
 )
 from slipstream.cli._rank_entry import LAUNCHER_PID_ENV
-from slipstream.distributed.comm import COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT_S
+from slipstream.distributed._timeout_env import COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT_S
 
 __all__ = [
     "AS_DEEPSPEED_ENV",
