@@ -77,6 +77,9 @@ def _rendezvous(engine: TrainingState, what: str) -> None:
     timeout = timedelta(seconds=engine.config.checkpoint.barrier_timeout)
     try:
         comm.monitored_barrier(timeout, what)
+    except comm.PeerDiedError as e:
+        done = "written" if what == "save_checkpoint" else "loaded"
+        raise CheckpointError(f"{e}; nothing was {done}") from e
     except RuntimeError as e:
         raise CheckpointError(f"{e}, not only on rank 0") from e
 

@@ -29,7 +29,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankFailure", "classify_failures", "format_report", "track_worker_stops"]
+__all__ = [
+    "RankFailure",
+    "classify_failures",
+    "format_report",
+    "job_exit_status",
+    "track_worker_stops",
+]
 
 # Messages of gloo, NCCL and the c10d store when the other end of a connection went away.
 _PEER_LOST = re.compile(
@@ -38,6 +44,7 @@ _PEER_LOST = re.compile(
     re.IGNORECASE,
 )
 _MESSAGE_CHARS = 300  # a secondary failure's message is shown up to this length
+_SIGNALS = {int(s) for s in signal.Signals}
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,14 @@ class RankFailure:
     """When it failed: exact for a recorded exception, else when the agent noticed it."""
     kind: str
     """``primary``, ``secondary`` or ``stopped`` (see the module docstring)."""
+    signalled: bool = False
+    """The launcher signalled it (after another rank failed)."""
+
+    @property
+    def ended_by_launcher(self) -> bool:
+        """It raised, and the launcher's SIGTERM/SIGKILL ended it while it was exiting: its
+        exit code is the launcher's, not its own."""
+        return self.signalled and self.exitcode < 0 and bool(self.message)
 
     @property
     def exit_status(self) -> int:
@@ -64,6 +79,9 @@ class RankFailure:
 
     def what(self) -> str:
         """ "was killed by SIGKILL (exit code 137)" or "failed with exit code 1"."""
+        if self.ended_by_launcher:
+            name = signal.Signals(-self.exitcode).name if -self.exitcode in _SIGNALS else "a signal"
+            return f"failed (it raised, then the launcher's {name} ended it while it exited)"
         if self.exitcode < 0:
             try:
                 name = signal.Signals(-self.exitcode).name
@@ -142,10 +160,22 @@ def classify_failures(failures: dict[int, Any], stops: dict[int, float]) -> list
         record = RankFailure(
             rank=rank, local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
             message=message, error_file=error_file, time=when, kind=kind,
+            signalled=stopped_at is not None,
         )  # fmt: skip
         out.append(record)
     order = {"primary": 0, "secondary": 1, "stopped": 2}
     return sorted(out, key=lambda f: (order[f.kind], f.time, f.rank))
+
+
+def job_exit_status(failures: list[RankFailure]) -> int:
+    """The launcher's exit code: the cause's, unless the launcher's own signal ended the cause
+    (it raised first, but was still exiting when another rank's failure made the launcher
+    stop everyone): then the code of the first rank that ended on its own (1 if none)."""
+    cause = failures[0]
+    if not cause.ended_by_launcher:
+        return cause.exit_status
+    own = [f for f in failures if not f.signalled]
+    return own[0].exit_status if own else 1
 
 
 def format_report(failures: list[RankFailure], output_hint: str | None) -> list[str]:

@@ -62,7 +62,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ptx-coef", type=float, default=27.8, help="weight of the PTX LM loss")
     p.add_argument("--align-overflow", action="store_true", help="skip both steps on overflow")
     p.add_argument("--enable-ema", action="store_true", help="keep an EMA of the actor")
-    p.add_argument("--drop-long-prompts", action="store_true")
+    p.add_argument(
+        "--drop-long-prompts",
+        action="store_true",
+        help="skip prompts longer than --max-prompt-len (DeepSpeed-Chat's behaviour) "
+        "instead of stopping with an error",
+    )
     for model in ("actor", "critic"):
         p.add_argument(f"--{model}-lora-dim", type=int, default=0, help=f"{model} LoRA rank")
         p.add_argument(

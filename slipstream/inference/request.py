@@ -213,6 +213,30 @@ def _generator(kwargs: dict[str, Any], device: torch.device) -> torch.Generator 
     return gen
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int | None, what: str = "generate") -> None:
+    """Refuse a token id outside ``[0, vocab_size)`` before any work (the embedding would
+    raise a bare ``IndexError``), naming the first bad id and where it is."""
+    if vocab_size is None or ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ConfigError(
+            f"{what}: input_ids[{row}, {col}] = {int(ids[row, col])} is not a token of this "
+            f"model (vocabulary of {vocab_size}: ids 0..{vocab_size - 1}); was the prompt "
+            "encoded with another model's tokenizer?"
+        )
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    embed = getattr(model, "get_input_embeddings", None)
+    layer = embed() if callable(embed) else None
+    if isinstance(layer, nn.Embedding):
+        return int(layer.num_embeddings)
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
 def build_request(
     model: nn.Module,
     kwargs: dict[str, Any],
@@ -230,6 +254,7 @@ def build_request(
     gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     _refuse_unsupported(kwargs, gen_config)
     ids, mask = _prompt(kwargs)
+    check_token_ids(ids, _vocab_size(model))
     new, low = _budget(kwargs, gen_config, ids.shape[1])
     _check_length(ids.shape[1] + new, max_out_tokens, context)
     sampling = SamplingPolicy(

@@ -71,22 +71,29 @@ class PreferenceRecord:
     rejected: str
 
 
-def _records_from(rows: Any, source: str, leading_space: bool = True) -> list[PreferenceRecord]:
+def _records_from(
+    rows: Any, source: str, leading_space: bool = True, lines: list[int] | None = None
+) -> list[PreferenceRecord]:
+    """``rows`` as records; ``lines``: each row's 1-based line in a ``.jsonl`` file (errors
+    name the line there, else the 1-based record number)."""
     if not isinstance(rows, list):
         raise ConfigError(f"{source}: expected a JSON list of records, got {type(rows).__name__}")
+    if not rows:
+        raise ConfigError(f"{source} holds no records; {_SHAPE}")
     records = []
     for i, row in enumerate(rows):
+        where = f"line {lines[i]}" if lines else f"record {i + 1}"
         missing = [k for k in FIELDS if not isinstance(row, dict) or k not in row]
         if missing:
             raise ConfigError(
-                f"{source}: record {i} has no {', '.join(repr(k) for k in missing)} (has "
+                f"{source}: {where} has no {', '.join(repr(k) for k in missing)} (has "
                 f"{sorted(row) if isinstance(row, dict) else type(row).__name__}); every record "
                 'needs "prompt", "chosen" and "rejected" strings'
             )
         bad = [k for k in FIELDS if not isinstance(row[k], str)]
         if bad:
             raise ConfigError(
-                f"{source}: record {i} field {bad[0]!r} is a {type(row[bad[0]]).__name__}, "
+                f"{source}: {where} field {bad[0]!r} is a {type(row[bad[0]]).__name__}, "
                 "not a string"
             )
         # DeepSpeed-Chat's local-JSON loader prepends a space to each field.
@@ -95,11 +102,36 @@ def _records_from(rows: Any, source: str, leading_space: bool = True) -> list[Pr
     return records
 
 
-def _read_json(path: Path) -> Any:
+_SHAPE = (
+    'a record is {"prompt": "Human: ... Assistant:", "chosen": "...", "rejected": "..."} '
+    "(a .json file holds a list of them, a .jsonl file one per line)"
+)
+
+
+def _read_json(path: Path) -> tuple[Any, list[int] | None]:
+    """The parsed file and, for ``.jsonl``, each record's 1-based line; an empty file or
+    bad JSON is a ``ConfigError`` naming the file (and the line)."""
     text = path.read_text()
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return json.loads(text)
+    if not text.strip():
+        raise ConfigError(f"{path} is empty; {_SHAPE}")
+    if path.suffix != ".jsonl":
+        try:
+            return json.loads(text), None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON at line {e.lineno} ({e.msg})") from e
+    rows, lines = [], []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"{path}: line {n} is not valid JSON ({e.msg} at column {e.colno}); a .jsonl "
+                "file holds one record per line"
+            ) from e
+        lines.append(n)
+    return rows, lines
 
 
 def load_preference_records(path: str | Path, split: str = "train") -> list[PreferenceRecord]:
@@ -128,11 +160,8 @@ def load_preference_records(path: str | Path, split: str = "train") -> list[Pref
         path = found[0]
     elif not path.is_file():
         raise ConfigError(f"preference data {path} does not exist")
-    try:
-        rows = _read_json(path)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    return _records_from(rows, str(path))
+    rows, lines = _read_json(path)
+    return _records_from(rows, str(path), lines=lines)
 
 
 # The files ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` write.
@@ -322,14 +351,17 @@ def prompt_batch(
             if drop_long_prompts:
                 continue
             raise ConfigError(
-                f"prompt of record {i} ({r.prompt[:40]!r}...) is {len(encoded)} tokens, longer than "
-                f"max_prompt_len={max_prompt_len}; raise max_prompt_len or pass "
-                "drop_long_prompts=True to skip such prompts (DeepSpeed-Chat's behaviour)"
+                f"prompt of record {i + 1} ({r.prompt[:40]!r}...) is {len(encoded)} tokens, "
+                f"longer than max_prompt_len={max_prompt_len}; raise max_prompt_len or skip "
+                "such prompts as DeepSpeed-Chat does (slipstream chat --drop-long-prompts; "
+                "drop_long_prompts=True in Python)"
             )
         rows.append(encoded)
     if not rows:
         raise ConfigError(
             f"no prompt of {len(records)} fits max_prompt_len={max_prompt_len}; raise it"
+            if records
+            else "no prompts: the data holds no records"
         )
     ids = torch.full((len(rows), max_prompt_len), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from slipstream.cli._failures import classify_failures, format_report
+from slipstream.cli._failures import classify_failures, format_report, job_exit_status
 from slipstream.cli._rank_entry import LAUNCHER_PID_ENV
 from tests.cli.test_launcher import REPO, SCRIPTS, slipstream
 
@@ -132,6 +132,31 @@ def test_ranks_the_launcher_stopped_are_not_causes(tmp_path):
     failures = classify_failures({0: stopped, 1: raised}, stops={200: now, 201: now + 60})
     assert [(f.rank, f.kind) for f in failures] == [(1, "primary"), (0, "stopped")]
     assert len(format_report(failures, None)) == 1
+
+
+def test_first_raise_is_the_cause_and_its_exit_code_the_jobs_though_sigtermed(tmp_path):
+    """Issue 38: both ranks raise (ranks that build different models); rank 1 raised first
+    but was still exiting when rank 0's exit made the launcher SIGTERM it. The report names
+    rank 1's exception, not 'killed by SIGTERM', and the job exits 1 (rank 0's own code),
+    not 143."""
+    now = time.time()
+    first = ProcessFailure(
+        local_rank=1, pid=401, exitcode=-15,
+        error_file=error_file(tmp_path / "e1.json", "RuntimeError: model differs", now),
+    )  # fmt: skip
+    second = ProcessFailure(
+        local_rank=0, pid=400, exitcode=1,
+        error_file=error_file(tmp_path / "e0.json", "RuntimeError: model differs", now + 0.01),
+    )  # fmt: skip
+    failures = classify_failures({0: second, 1: first}, stops={401: now + 0.5})
+    assert (failures[0].rank, failures[0].kind) == (1, "primary")
+    (line, *_) = format_report(failures, None)
+    assert "rank 1 (local rank 1, pid 401) failed (it raised, then the launcher's SIGTERM" in line
+    assert "RuntimeError: model differs" in line and "exit code 143" not in line
+    assert job_exit_status(failures) == 1
+    # A rank the launcher stopped with nothing raised never sets the code.
+    killed = ProcessFailure(local_rank=0, pid=402, exitcode=-9, error_file="<none>")
+    assert job_exit_status(classify_failures({0: killed}, stops={})) == 137
 
 
 def test_only_secondary_failures_say_no_rank_was_seen_first(tmp_path):

@@ -58,6 +58,14 @@ def collectives() -> dict[str, Any]:
         out["diverged"] = None
     except RuntimeError as e:
         out["diverged"] = str(e)
+    # Issue 38: a long parameter list differing near its end names that parameter.
+    params = [(f"layers.{i}.weight", (64, 64), "torch.float32") for i in range(100)]
+    params[90] = ("layers.90.weight", (64, 64 + rank), "torch.float32")
+    try:
+        comm.check_same_across_ranks(params, "model (parameter names, shapes and dtypes)")
+        out["diverged_late"] = None
+    except RuntimeError as e:
+        out["diverged_late"] = str(e)
     return out
 
 

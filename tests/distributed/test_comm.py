@@ -8,7 +8,7 @@ from tests.distributed.harness import run_world
 
 def test_collectives_exact_and_counted():
     results = run_world(w.collectives, 2)
-    for r in results:
+    for rank, r in enumerate(results):
         for key in ("rs_sync", "rs_async", "ag_inplace", "ag_bf16", "ar", "a2a"):
             assert r[key], key
         dp = r["summary"]["dp"]
@@ -23,6 +23,12 @@ def test_collectives_exact_and_counted():
         assert any(row.split()[:2] == ["dp", "all_reduce"] and row.endswith("%") for row in rows)
         assert "model differs between ranks" in r["diverged"]
         assert "ranks [0]" in r["diverged"] and "ranks [1]" in r["diverged"]
+        me, other = rank, 1 - rank
+        assert (
+            f"the first difference is item 90: this rank ({me}) has ('layers.90.weight', "
+            f"(64, {64 + me}), 'torch.float32'), rank {other} has ('layers.90.weight', "
+            f"(64, {64 + other})"
+        ) in r["diverged_late"], r["diverged_late"]
 
 
 def test_world_of_one_leaves_no_master_port_for_child_processes():

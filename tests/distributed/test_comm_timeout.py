@@ -46,12 +46,13 @@ def test_launcher_rejects_bad_comm_timeout(capsys):
 
 def test_describe_peers_behind_ahead_and_unknown():
     at = Arrival("0", 5, "all_reduce", "step")
-    behind = PeerState(1, 4, "broadcast", "params", True, "host h, local rank 1, pid 9")
+    behind = PeerState(1, 4, "broadcast", "params", True, "host h, local rank 1, pid 9", 0.43)
     fresh = PeerState(2, 0, None, None, False)
     ahead = PeerState(3, 7, "all_reduce", "x", True)
     text = describe_peers(at, [behind, fresh, ahead])
     assert text.startswith("ranks [1, 2] did not arrive (rank 1 (host h, local rank 1, pid 9)")
-    assert "was last seen entering #4 broadcast 'params'" in text
+    # Issue 38: the sighting is up to a publishing interval old; the error says how old.
+    assert "was last seen entering #4 broadcast 'params' (its record was 0.4 s old)" in text
     assert "rank 2 published no arrival record" in text
     assert "rank 3 already went past it (to #7): the ranks issued different collectives" in text
     assert describe_peers(at, [PeerState(1, 5, "all_reduce", "step", True)]).startswith(
@@ -78,6 +79,6 @@ def test_sigstopped_rank_is_named_with_the_collective_it_never_reached(tmp_path)
         "group of ranks [0, 1]) did not complete within 3 s on rank 0 (local rank 0): rank 1 "
         "did not arrive (rank 1 (host "
     ) in line
-    assert "was last seen entering #1 all_reduce 'warmup')" in line
+    assert "was last seen entering #1 all_reduce 'warmup' (its record was " in line
     assert "raise SLIPSTREAM_COMM_TIMEOUT" in line
     assert gone(int((tmp_path / "rank1.pid").read_text()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -106,3 +108,16 @@ def test_int8_attention_core_is_refused_for_generation():
     engine = init_inference(tiny_gpt(), quant=W8A8Int())
     with pytest.raises(ConfigError, match=r"layers\.0\.attn is .*HeroModes\(attn_core=False\)"):
         engine.generate(torch.tensor([[7, 8, 9]]), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -1])
+def test_token_id_outside_the_vocabulary_is_refused_up_front(bad: int) -> None:
+    """Issue 38: an id >= the vocabulary size (or negative) was a bare IndexError from the
+    embedding; both generate paths name the position, the id and the vocabulary."""
+    model = tiny_gpt()
+    ids = torch.tensor([[1, 2, 3], [4, bad, 5]])
+    want = f"input_ids[1, 1] = {bad} is not a token of this model (vocabulary of {VOCAB}"
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        init_inference(model).generate(ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match=re.escape(want)):
+        model.generate(ids, 2)

@@ -71,7 +71,7 @@ def test_records_load_from_a_directory_with_leading_spaces(tmp_path):
 def test_missing_fields_and_files_are_named(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a"}]))
-    with pytest.raises(ConfigError, match=r"record 1 has no 'chosen', 'rejected'"):
+    with pytest.raises(ConfigError, match=r"bad\.json: record 2 has no 'chosen', 'rejected'"):
         load_preference_records(bad)
     with pytest.raises(ConfigError, match=r"has no train\.json or train\.jsonl"):
         load_preference_records(tmp_path)
@@ -107,9 +107,32 @@ def test_examples_follow_deepspeed_chat():
     assert prompts.input_ids[0, : 8 - n_prompt].eq(PAD).all()
 
 
+def test_data_errors_name_the_file_and_the_line(tmp_path):
+    """Issue 38: 1-based lines of a .jsonl file (a blank line counted), an empty file said
+    so, a truncated line named by its own number; a .json list's records 1-based."""
+    good = json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join([good] * 15 + ["", json.dumps({"prompt": "a", "rejected": "c"})]))
+    with pytest.raises(ConfigError, match=r"train\.jsonl: line 17 has no 'chosen'"):
+        load_preference_records(data)
+    data.write_text("\n".join([good] * 3 + [good[:20]] + [good] * 2) + "\n")
+    with pytest.raises(ConfigError, match=r"train\.jsonl: line 4 is not valid JSON"):
+        load_preference_records(data)
+    for text in ("", "\n  \n"):
+        data.write_text(text)
+        with pytest.raises(ConfigError, match=r"train\.jsonl is empty; a record is \{"):
+            load_preference_records(data)
+    listed = tmp_path / "eval.json"
+    listed.write_text("[]")
+    with pytest.raises(ConfigError, match=r"eval\.json holds no records; a record is"):
+        load_preference_records(listed)
+
+
 def test_too_long_prompts_are_refused_or_dropped():
     tok, recs = CharTokenizer(), records(3, seed=1)
-    with pytest.raises(ConfigError, match=r"record 0 .* 6 tokens, longer than max_prompt_len=4"):
+    with pytest.raises(ConfigError, match=r"record 1 .* 6 tokens, longer than max_prompt_len=4"):
+        prompt_batch(tok, recs, 4)
+    with pytest.raises(ConfigError, match="slipstream chat --drop-long-prompts"):
         prompt_batch(tok, recs, 4)
     with pytest.raises(ConfigError, match="no prompt of 3 fits"):
         prompt_batch(tok, recs, 4, drop_long_prompts=True)

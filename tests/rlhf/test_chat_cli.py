@@ -111,7 +111,7 @@ def test_chat_refuses_records_missing_keys(tmp_path, capsys):
     (data / "train.json").write_text(json.dumps([{"prompt": "12:", "chosen": "12"}]))
     err = _chat(tmp_path, "--actor", "gpt:tiny", "--reward", "gpt:tiny", "--data", str(data),
                 capsys=capsys)  # fmt: skip
-    assert "train.json: record 0 has no 'rejected'" in err
+    assert "train.json: record 1 has no 'rejected'" in err
 
 
 def test_chat_refuses_a_reward_tokenizer_unlike_the_actors(tmp_path, capsys):
