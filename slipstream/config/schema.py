@@ -110,6 +110,8 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "quantize_training": "quantization-aware training is not implemented yet",
     "timers": "timer options are not implemented yet; use wall_clock_breakdown",
     "dump_state": "dump_state is not implemented yet",
+    "expert_parallel": "AutoEP (expert_parallel) is not implemented yet; build the model with "
+    "slipstream.moe (deepspeed.moe.layer.MoE) and its ep_size instead",
 }
 
 

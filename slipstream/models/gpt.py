@@ -47,11 +47,13 @@ from slipstream.models.gpt_moe import (
     GPTMoEConfig,
     MoEFeedForward,
     active_matmul_params,
+    grouped_swiglu,
     init_expert_weights,
     is_moe_block,
 )
 from slipstream.models.gpt_plans import gpt_sp_plan, gpt_tp_plan
 from slipstream.models.kv_cache import KVCache, LayerKV
+from slipstream.moe.experts import register_grouped_expert
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
 from slipstream.parallel.tensor import TPPlan
 from slipstream.sequence import SPPlan
@@ -342,6 +344,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# As MoE experts, copies of the MLP run as grouped GEMMs (slipstream.moe.experts).
+register_grouped_expert(MLP, grouped_swiglu)
 
 
 class Block(nn.Module):

@@ -15,15 +15,18 @@ effect once the expert-parallel plan is applied (``slipstream.initialize`` does)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.moe import DroplessMoE, Experts, GroupedExperts, MoE, RouterConfig, TopKGate
 from slipstream.moe.experts import mark_expert_params
+from slipstream.moe.grouped import grouped_mm
 
 
 class _Shape(Protocol):
@@ -37,7 +40,13 @@ class _Shape(Protocol):
     def moe(self) -> GPTMoEConfig | None: ...
 
 
-__all__ = ["GPTMoEConfig", "MoEFeedForward", "init_expert_weights", "is_moe_block"]
+__all__ = [
+    "GPTMoEConfig",
+    "MoEFeedForward",
+    "grouped_swiglu",
+    "init_expert_weights",
+    "is_moe_block",
+]
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,18 @@ class MoEFeedForward(nn.Module):
         # DroplessMoE weighs its own losses; DeepSpeed's MoE returns the raw l_aux.
         self.aux_loss = aux if isinstance(self.moe, DroplessMoE) else self.aux_loss_coef * aux
         return out
+
+
+def grouped_swiglu(experts: Sequence[nn.Module], rows: Tensor, counts: Tensor) -> Tensor:
+    """Copies of the GPT's SwiGLU MLP as three grouped GEMMs (registered for ``MLP``)."""
+
+    def stacked(name: str) -> Tensor:
+        weights = [cast(nn.Linear, getattr(e, name)).weight for e in experts]
+        return torch.stack(weights).transpose(1, 2)
+
+    h = F.silu(grouped_mm(rows, stacked("gate_proj"), counts))
+    h = h * grouped_mm(rows, stacked("up_proj"), counts)
+    return grouped_mm(h, stacked("down_proj"), counts)
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from slipstream.moe import DroplessMoE, RouterConfig, routing_stats
+from slipstream.moe import DroplessMoE, RouterConfig, grouped, routing_stats
 from slipstream.moe import dropless as d
 from tests.distributed.harness import run_world
 from tests.moe import _ep_workloads as w
@@ -22,7 +22,7 @@ def test_grouped_mm_equals_a_loop(path: str) -> None:
     x = torch.randn(10, 8, generator=g, requires_grad=True)
     wt = torch.randn(3, 8, 4, generator=g, requires_grad=True)
     counts = torch.tensor([4, 0, 6])
-    fn = d.grouped_mm if path == "grouped_mm" else d._padded_bmm
+    fn = grouped.grouped_mm if path == "grouped_mm" else grouped._padded_bmm
     y = fn(x, wt, counts)
     ref = torch.cat([x[:4] @ wt[0], x[4:] @ wt[2]])
     torch.testing.assert_close(y, ref)
@@ -109,3 +109,33 @@ def test_dropless_ep2_equals_one_process() -> None:
         for name, p in res["params"].items():
             torch.testing.assert_close(p, res["ref_params"][name], rtol=1e-5, atol=1e-6)
         assert int(res["counts"][3]) == 0 and res["counts"][:3].min() >= 0
+
+
+def test_grouped_forms_equal_the_expert_loop() -> None:
+    """The registered grouped forms (Sequential MLP, the GPT's SwiGLU MLP) equal running
+    each expert on its block, forward and gradients, an empty block included."""
+    from slipstream.models.gpt import MLP, GPTConfig
+    from slipstream.moe.experts import _GROUPED, Experts
+
+    torch.manual_seed(0)
+    cases = [
+        torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GELU(), torch.nn.Linear(12, 8)),
+        MLP(GPTConfig.preset("tiny", hidden_size=8, num_heads=2, num_kv_heads=2)),
+    ]
+    for expert in cases:
+        experts = Experts(expert, 3)
+        for e in experts.deepspeed_experts:
+            for p in e.parameters():
+                torch.nn.init.normal_(p)
+        rows = torch.randn(9, 8)
+        counts = [4, 0, 5]
+        loop = torch.cat([experts.run(i, b) for i, b in enumerate(rows.split(counts))])
+        fn = _GROUPED[type(expert)]
+        fast = fn(list(experts.deepspeed_experts), rows, torch.tensor(counts))
+        assert fast is not None
+        torch.testing.assert_close(fast, loop, rtol=1e-5, atol=1e-5)
+        params = list(experts.parameters())
+        g_loop = torch.autograd.grad((loop**2).sum(), params)
+        g_fast = torch.autograd.grad((fast**2).sum(), params)
+        for a, b in zip(g_fast, g_loop, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
