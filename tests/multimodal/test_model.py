@@ -178,6 +178,18 @@ def test_ended_rows_repeat_eos_and_generation_stops_when_all_ended(lm: str) -> N
     assert out.shape[1] == max(ends) + 1
 
 
+def test_repetition_penalty_is_refused_not_ignored() -> None:
+    """The prompt is embeddings (image tokens have no ids), so the shared loop's repetition
+    penalty cannot apply; it was silently ignored before, it is refused now."""
+    from slipstream.inference import SamplingPolicy
+
+    chat = _chat(_gpt()).eval()
+    ids, images, counts, mask, _ = _batch()
+    policy = SamplingPolicy(repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"repetition_penalty=1\.2 is not supported"):
+        chat.generate(ids, images, counts, max_new_tokens=2, attention_mask=mask, sampling=policy)
+
+
 def test_engine_zero2_trains_only_the_projection_and_keeps_no_state_for_frozen_parts() -> None:
     import slipstream
 
