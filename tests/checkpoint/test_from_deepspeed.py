@@ -126,7 +126,7 @@ def test_damaged_file_and_missing_key_are_named(tmp_path: Path) -> None:
     [
         ("layer_01-model_states.pt", "a pipeline-parallel layer file"),
         ("mp_rank_01_model_states.pt", "a model-parallel (tensor-parallel) rank file"),
-        ("zero", "a DeepSpeed universal checkpoint"),
+        ("zero", "a universal checkpoint folder without optimizer_state.pt"),
     ],
 )
 def test_unreadable_kinds_are_refused_by_file(tmp_path: Path, name: str, what: str) -> None:
@@ -142,21 +142,29 @@ def test_unreadable_kinds_are_refused_by_file(tmp_path: Path, name: str, what: s
 
 
 # ---------------------------------------------------- DeepSpeed itself, where installed
-_DS_CASES = [(2, False), (3, False), (2, True), (0, False)]
+_DS_CASES = [(2, False), (3, False), (2, True), (0, False), (0, True)]
 
 
 @pytest.fixture(scope="module")
 def deepspeed_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Any, Any]]:
     root = tmp_path_factory.mktemp("ds_written")
-    losses = run_world(w.deepspeed_runs, w.DS_WORLD, str(root), _DS_CASES, timeout_s=400)
+    losses = run_world(w.deepspeed_runs, w.DS_WORLD, str(root), _DS_CASES, True, timeout_s=400)
     return root, losses[0]
 
 
 @pytest.fixture(scope="module")
 def resumed(deepspeed_root: Any) -> tuple[dict[Any, Any], dict[Any, Any]]:
     root = str(deepspeed_root[0])
-    two = [(2, False, 2), (3, False, 3), (2, False, 1), (3, False, 2), (2, True, 2), (0, False, 2)]
-    one = [(2, False, 3), (3, False, 0)]
+    two = [
+        (2, False, 2),
+        (3, False, 3),
+        (2, False, 1),
+        (3, False, 2),
+        (2, True, 2),
+        (0, False, 2),
+        (0, True, 1),
+    ]
+    one = [(2, False, 3), (3, False, 0), ("ds_uni", False, 2)]
     return run_world(w.slipstream_resumes, 2, root, two)[0], run_world(
         w.slipstream_resumes, 1, root, one
     )[0]
@@ -185,13 +193,23 @@ def test_resumes_deepspeed_resharded(
 
 
 @needs_deepspeed
+def test_resumes_deepspeed_universal_checkpoint(deepspeed_root: Any, resumed: Any) -> None:
+    """DeepSpeed's ds_to_universal of its ZeRO-2 checkpoint (found through
+    ``latest_universal``) resumes at world 1, stage 2, with DeepSpeed's losses."""
+    run = resumed[1][("ds_uni", False, 2)]
+    _check_resumed(run, deepspeed_root[1][(2, False)], FP32)
+    assert run["path"].endswith("ds_uni/global_step3")
+
+
+@needs_deepspeed
 def test_resumes_deepspeed_bf16(deepspeed_root: Any, resumed: Any) -> None:
     """bf16 weights with fp32 masters: the first step is the same forward (equal), the next
     ones within bf16's rounding of the reduced gradients (5e-4 relative)."""
-    want = deepspeed_root[1][(2, True)]
-    got = resumed[0][(2, True, 2)]
-    assert got["losses"][0] == want[0]
-    _check_resumed(got, want, {"rel": 5e-4, "abs": 0.0})
+    for ds_stage, stage in ((2, 2), (0, 1)):  # ZeRO-2, and DeepSpeed's BF16_Optimizer
+        want = deepspeed_root[1][(ds_stage, True)]
+        got = resumed[0][(ds_stage, True, stage)]
+        assert got["losses"][0] == want[0]
+        _check_resumed(got, want, {"rel": 5e-4, "abs": 0.0})
 
 
 @needs_deepspeed
