@@ -390,9 +390,12 @@ def find_checkpoint(root: Path, tag: str | None, recover: bool = True) -> Path |
     source = "the tag passed"
     if tag is None:
         tag = read_latest(root)
+        source = f"{root / LATEST}"
+        universal = root / "latest_universal"  # DeepSpeed's ds_to_universal names its tag so
+        if tag is None and universal.is_file():
+            tag, source = universal.read_text().strip(), str(universal)
         if tag is None:
             return None
-        source = f"{root / LATEST}"
     directory = root / tag
     if (directory / MANIFEST).is_file() or is_deepspeed_tag(directory):
         return directory

@@ -27,16 +27,18 @@ slipstream checkpoint. The layouts, as DeepSpeed 0.19's ZeRO optimizers write th
   rank (the last one padded); rank ``r``'s flat groups hold its piece of each parameter, in
   ``param_shapes`` order, concatenated over the (sub-)groups.
 - **Stage 0**: the module state dict holds the weights and ``optimizer`` the optimizer's own
-  state dict (fp32 only).
+  state dict (with bf16/fp16 inside DeepSpeed's FP16_Optimizer, beside the fp32 masters).
 
 Every file is opened memory-mapped, so reading a range costs only its pages. DeepSpeed pickles
 a few of its own classes into these files (the loss scaler, the stage enum, fragment
 addresses): they are read as plain stand-ins, so DeepSpeed need not be installed.
 
+- **Universal** (DeepSpeed's ``ds_to_universal.py``): ``zero/<name>/<state>.pt`` hold each
+  parameter's fp32 master and optimizer states whole, ``zero/optimizer_state.pt`` the rest.
+
 Not read (each refused with an error naming the file): model-parallel checkpoints
-(``mp_rank_01_*``), pipeline-parallel ``layer_*-model_states.pt`` files, universal
-checkpoints (``zero/`` per-parameter folders), mixture-of-experts ``expert_*`` files, and
-fp16/bf16 stage 0 (DeepSpeed's ``BF16_Optimizer`` / ``FP16_Optimizer`` states).
+(``mp_rank_01_*``), pipeline-parallel ``layer_*-model_states.pt`` files and
+mixture-of-experts ``expert_*`` files.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from slipstream.checkpoint.format import MANIFEST, CheckpointError
 __all__ = ["DeepSpeedReader", "check_optimizer", "is_deepspeed_tag"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+_UNIVERSAL_STATE = "optimizer_state.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _LAYER = re.compile(r"^layer_\d+-model_states\.pt$")
@@ -218,13 +221,16 @@ class DeepSpeedReader:
         self._frags: dict[str, tuple[str, list[_Fragment]]] = {}
         self._flats: dict[tuple[int, str], _Flat] = {}
         self.tensors: dict[str, dict[str, Any]] = {}
+        self._scaler_state: Any = None  # the loss scaler (object or dict) where not in optim files
         ds_config = self.model_states.get("ds_config") or {}
         self.ds_config: dict[str, Any] = ds_config if isinstance(ds_config, dict) else {}
         self.train_dtype = _train_dtype(self.ds_config)
         scalars: dict[str, dict[str, Any]] = {}
         param_groups: list[dict[str, Any]] = []
         stage = 0
-        if optim:
+        if (self.dir / "zero").is_dir():
+            stage, scalars, param_groups = self._read_universal()
+        elif optim:
             stage, scalars, param_groups = self._read_zero(optim, zero3_models)
         else:
             scalars, param_groups = self._read_stage0()
@@ -253,17 +259,49 @@ class DeepSpeedReader:
                     "Consolidate it in DeepSpeed first (zero_to_fp32.py) and load the weights "
                     "with load_module_only",
                 )
-        if "zero" in names and (self.dir / "zero").is_dir():
+        zero = self.dir / "zero"
+        if zero.is_dir() and not (zero / _UNIVERSAL_STATE).is_file():
             refuse(
                 "zero",
-                "a DeepSpeed universal checkpoint (per-parameter folders)",
-                "Load the ZeRO checkpoint it was converted from",
+                f"a universal checkpoint folder without {_UNIVERSAL_STATE} (ds_to_universal did "
+                "not finish, or kept its per-TP-rank slices)",
+                "Run DeepSpeed's ds_to_universal.py on the ZeRO checkpoint again",
             )
         if MODEL_STATES not in names and not any(_ZERO3_MODEL.match(n) for n in names):
             raise CheckpointError(
                 f"{self.dir} has no {MODEL_STATES} (nor zero_pp_rank_*_mp_rank_00_model_states"
                 f".pt): not a complete DeepSpeed checkpoint (files: {names[:12]})"
             )
+
+    # ------------------------------------------------------------ universal checkpoints
+    def _read_universal(self) -> tuple[int, dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """``zero/<name>/{fp32,exp_avg,...,step}.pt``: every parameter's master and states
+        whole (DeepSpeed's ds_to_universal merged the partitions), ``zero/optimizer_state.pt``
+        the rest of the optimizer's state."""
+        path = self.dir / "zero" / _UNIVERSAL_STATE
+        common = _load(path)
+        stage = _stage_of(_key(common, "zero_stage", path))
+        groups = list(_key(common, "param_groups", path))
+        shapes = _key(self.model_states, "param_shapes", self._model_file)
+        steps: list[dict[str, Any]] = []
+        for group in shapes:
+            for name in group:
+                folder = self.dir / "zero" / name
+                fp32 = _key(_load(folder / "fp32.pt"), "param", folder / "fp32.pt")
+                self._full[f"master/{name}"] = fp32
+                self._table(f"master/{name}", tuple(fp32.shape), torch.float32)
+                for state in sorted(folder.glob("*.pt")):
+                    key = state.stem
+                    if key == "fp32":
+                        continue
+                    if key == "step":
+                        steps.append({"step": torch.load(state, map_location="cpu")})
+                        continue
+                    value = _key(_load(state), "param", state)
+                    self._full[f"optim/{key}/{name}"] = value
+                    self._table(f"optim/{key}/{name}", tuple(value.shape), value.dtype)
+        self._scaler_state = common.get("loss_scaler")
+        return stage, _scalars(steps, len(groups), path), groups
 
     # ------------------------------------------------------------ ZeRO files
     def _read_zero(
@@ -415,14 +453,22 @@ class DeepSpeedReader:
 
     # ------------------------------------------------------------ stage 0
     def _read_stage0(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """Without ZeRO the model-states file's ``optimizer`` holds the torch optimizer's
+        state dict (fp32), or DeepSpeed's FP16_Optimizer wrapper of it (bf16/fp16: the inner
+        state dict, the fp32 masters per parameter or per flat group, the loss scale)."""
         sd = self.model_states.get("optimizer")
         if sd is None:
             return {}, []
+        masters: list[torch.Tensor] | None = None
+        if "optimizer_state_dict" in sd:  # FP16_Optimizer / FP16_UnfusedOptimizer
+            self._scaler_state = sd
+            masters = _stage0_masters(sd, self._model_file)
+            sd = sd["optimizer_state_dict"]
         if "state" not in sd or "param_groups" not in sd:
             raise CheckpointError(
-                f"{self._model_file} key 'optimizer' holds a {sorted(sd)[:6]} state dict, not a "
-                "torch optimizer's: fp16/bf16 without ZeRO (DeepSpeed's FP16_Optimizer) is not "
-                "read; load with load_optimizer_states=False to take the weights only"
+                f"{self._model_file} key 'optimizer' holds a {sorted(sd)[:6]} state dict, "
+                "neither a torch optimizer's nor DeepSpeed's FP16_Optimizer's; load with "
+                "load_optimizer_states=False to take the weights only"
             )
         module = self.model_states.get("module") or {}
         skip = set(self.model_states.get("buffer_names") or [])
@@ -435,6 +481,14 @@ class DeepSpeedReader:
                 f"{len(names)}: frozen parameters without ZeRO cannot be matched to their "
                 "states; load with load_optimizer_states=False"
             )
+        if masters is not None:
+            flat = torch.cat([t.reshape(-1) for t in masters]) if masters else torch.empty(0)
+            offset = 0
+            for name in names:
+                n, shape = module[name].numel(), tuple(module[name].shape)
+                self._full[f"master/{name}"] = flat[offset : offset + n].reshape(shape)
+                self._table(f"master/{name}", shape, torch.float32)
+                offset += n
         states = [sd["state"].get(i, {}) for i in ids]
         for name, state in zip(names, states):
             for key, value in state.items():
@@ -502,14 +556,11 @@ class DeepSpeedReader:
         }
 
     def _loss_scaler(self, optim: list[tuple[int, str]]) -> dict[str, Any] | None:
-        if not optim:
-            return None
-        osd = _load(self.dir / optim[0][1])["optimizer_state_dict"]
-        scaler = osd.get("loss_scaler")
-        if not isinstance(scaler, _StandIn):
-            return None
-        state = vars(scaler)
-        if "cur_scale" not in state:
+        scaler = self._scaler_state
+        if scaler is None and optim:
+            scaler = _load(self.dir / optim[0][1])["optimizer_state_dict"].get("loss_scaler")
+        state = vars(scaler) if isinstance(scaler, _StandIn) else scaler
+        if not isinstance(state, dict) or "cur_scale" not in state:
             return None
         return {
             "scale": float(state["cur_scale"]),
@@ -622,6 +673,14 @@ def _train_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     if (ds_config.get("fp16") or {}).get("enabled"):
         return torch.float16
     return torch.float32
+
+
+def _stage0_masters(sd: dict[str, Any], path: Path) -> list[torch.Tensor]:
+    """FP16_Optimizer's fp32 masters in parameter order: per parameter (the unfused one's
+    ``fp32_groups``) or one flat tensor per group (the fused one's ``fp32_groups_flat``)."""
+    if "fp32_groups" in sd:
+        return [t for group in sd["fp32_groups"] for t in group]
+    return list(_key(sd, "fp32_groups_flat", path))
 
 
 def _base_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[Any]]:

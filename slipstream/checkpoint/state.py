@@ -155,7 +155,10 @@ def _collect_bucket(out: Collected, opt: ZeroOptimizer, shard: BucketShard, tp_r
             continue
         mine = piece.extent.within(w.start, w.stop)
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.numel() == piece.view.numel() > 0:
+            # Per-element states have the view's elements; a scalar (Adam's 0-d ``step``) is
+            # kept per group, also beside a one-element piece.
+            per_element = isinstance(value, torch.Tensor) and value.dim() > 0
+            if per_element and value.numel() == piece.view.numel() > 0:
                 if mine and not replicas[piece.index]:
                     part = value.reshape(-1)[mine.at(piece.extent.start)]
                     tensor = f"optim/{key}/{names[piece.index]}"

@@ -69,8 +69,35 @@ def _train(engine: Any, steps: range, bf16: bool) -> list[float]:
     return losses
 
 
-def deepspeed_runs(root: str, cases: list[tuple[int, bool]]) -> dict[Any, Any]:
-    """DeepSpeed trains, saves ``root/ds_s<stage>[_bf16]``, and continues: its losses."""
+def _to_universal(save: Path, out: Path) -> None:
+    """DeepSpeed's own ds_to_universal (rank 0) of ``save``'s latest tag into ``out``."""
+    from types import SimpleNamespace
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+        tag = (save / "latest").read_text().strip()
+        out.mkdir(parents=True)
+        args = SimpleNamespace(
+            input_folder=str(save / tag),
+            output_folder=str(out / tag),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=False,
+        )
+        to_universal(args)  # writes out/latest_universal
+    dist.barrier()
+
+
+def deepspeed_runs(
+    root: str, cases: list[tuple[int, bool]], universal: bool = False
+) -> dict[Any, Any]:
+    """DeepSpeed trains, saves ``root/ds_s<stage>[_bf16]`` (and with ``universal`` converts
+    the ZeRO-2 fp32 one with its ds_to_universal into ``root/ds_uni``), and continues: its
+    losses."""
     from tests.compat._deepspeed import import_deepspeed
 
     deepspeed = import_deepspeed()
@@ -82,7 +109,11 @@ def deepspeed_runs(root: str, cases: list[tuple[int, bool]]) -> dict[Any, Any]:
         )
         _train(engine, range(SAVED), bf16)
         save = Path(root) / f"ds_s{stage}{'_bf16' if bf16 else ''}"
-        engine.save_checkpoint(str(save), client_state={"epoch": 7})
+        # universal_checkpoint_info: what DeepSpeed's ds_to_universal requires of a client.
+        client = {"epoch": 7, "universal_checkpoint_info": {}}
+        engine.save_checkpoint(str(save), client_state=client)
+        if universal and (stage, bf16) == (2, False):
+            _to_universal(save, Path(root) / "ds_uni")
         out[(stage, bf16)] = _train(engine, range(SAVED, SAVED + MORE), bf16)
     return out
 

@@ -126,7 +126,7 @@ def test_damaged_file_and_missing_key_are_named(tmp_path: Path) -> None:
     [
         ("layer_01-model_states.pt", "a pipeline-parallel layer file"),
         ("mp_rank_01_model_states.pt", "a model-parallel (tensor-parallel) rank file"),
-        ("zero", "a DeepSpeed universal checkpoint"),
+        ("zero", "a universal checkpoint folder without optimizer_state.pt"),
     ],
 )
 def test_unreadable_kinds_are_refused_by_file(tmp_path: Path, name: str, what: str) -> None:
@@ -142,21 +142,29 @@ def test_unreadable_kinds_are_refused_by_file(tmp_path: Path, name: str, what: s
 
 
 # ---------------------------------------------------- DeepSpeed itself, where installed
-_DS_CASES = [(2, False), (3, False), (2, True), (0, False)]
+_DS_CASES = [(2, False), (3, False), (2, True), (0, False), (0, True)]
 
 
 @pytest.fixture(scope="module")
 def deepspeed_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Any, Any]]:
     root = tmp_path_factory.mktemp("ds_written")
-    losses = run_world(w.deepspeed_runs, w.DS_WORLD, str(root), _DS_CASES, timeout_s=400)
+    losses = run_world(w.deepspeed_runs, w.DS_WORLD, str(root), _DS_CASES, True, timeout_s=400)
     return root, losses[0]
 
 
 @pytest.fixture(scope="module")
 def resumed(deepspeed_root: Any) -> tuple[dict[Any, Any], dict[Any, Any]]:
     root = str(deepspeed_root[0])
-    two = [(2, False, 2), (3, False, 3), (2, False, 1), (3, False, 2), (2, True, 2), (0, False, 2)]
-    one = [(2, False, 3), (3, False, 0)]
+    two = [
+        (2, False, 2),
+        (3, False, 3),
+        (2, False, 1),
+        (3, False, 2),
+        (2, True, 2),
+        (0, False, 2),
+        (0, True, 1),
+    ]
+    one = [(2, False, 3), (3, False, 0), ("ds_uni", False, 2)]
     return run_world(w.slipstream_resumes, 2, root, two)[0], run_world(
         w.slipstream_resumes, 1, root, one
     )[0]
@@ -185,13 +193,23 @@ def test_resumes_deepspeed_resharded(
 
 
 @needs_deepspeed
+def test_resumes_deepspeed_universal_checkpoint(deepspeed_root: Any, resumed: Any) -> None:
+    """DeepSpeed's ds_to_universal of its ZeRO-2 checkpoint (found through
+    ``latest_universal``) resumes at world 1, stage 2, with DeepSpeed's losses."""
+    run = resumed[1][("ds_uni", False, 2)]
+    _check_resumed(run, deepspeed_root[1][(2, False)], FP32)
+    assert run["path"].endswith("ds_uni/global_step3")
+
+
+@needs_deepspeed
 def test_resumes_deepspeed_bf16(deepspeed_root: Any, resumed: Any) -> None:
     """bf16 weights with fp32 masters: the first step is the same forward (equal), the next
     ones within bf16's rounding of the reduced gradients (5e-4 relative)."""
-    want = deepspeed_root[1][(2, True)]
-    got = resumed[0][(2, True, 2)]
-    assert got["losses"][0] == want[0]
-    _check_resumed(got, want, {"rel": 5e-4, "abs": 0.0})
+    for ds_stage, stage in ((2, 2), (0, 1)):  # ZeRO-2, and DeepSpeed's BF16_Optimizer
+        want = deepspeed_root[1][(ds_stage, True)]
+        got = resumed[0][(ds_stage, True, stage)]
+        assert got["losses"][0] == want[0]
+        _check_resumed(got, want, {"rel": 5e-4, "abs": 0.0})
 
 
 @needs_deepspeed
@@ -228,22 +246,27 @@ def test_export_refuses_what_it_cannot_write(tmp_path: Path, fixture_root: Path)
         export_deepspeed(conv, tmp_path / "out")
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_export_reads_back_at_another_world(tmp_path: Path, world: int) -> None:
-    """Without DeepSpeed: a slipstream ZeRO-2 checkpoint of world 2 exported for a DeepSpeed
-    world of 1 or 3 reads back (through the DeepSpeed reader) with every weight and Adam
-    state equal, the counters and the client state kept."""
+def test_export_reads_back_at_other_worlds(tmp_path: Path) -> None:
+    """Without DeepSpeed: a slipstream ZeRO-2 checkpoint of world 2 exported for DeepSpeed
+    worlds 1 and 3 reads back (through the DeepSpeed reader) with every weight and Adam state
+    equal, the counters and the client state kept."""
     run_world(w.slipstream_saves, 2, str(tmp_path), 2)
-    out = export_deepspeed(tmp_path / "ss", tmp_path / "to_ds", world_size=world, zero_stage=1)
-    back = DeepSpeedReader(out)
     saved = CheckpointReader(next((tmp_path / "ss").glob("global_step*")))
-    assert len(list(out.glob("zero_pp_rank_*_optim_states.pt"))) == world
-    assert sorted(back.names("model")) == sorted(saved.names("model"))
-    for name in saved.names("model"):
-        for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
-            assert torch.equal(back.read_full(f"{kind}/{name}"), saved.read_full(f"{kind}/{name}"))
-        assert torch.equal(back.read_full(f"master/{name}"), saved.read_full(f"model/{name}"))
-    m = back.manifest
-    assert (m["global_steps"], m["global_samples"], m["zero_stage"]) == (w.SAVED, 24, 1)
-    assert m["optim_scalars"]["0"]["step"]["value"] == w.SAVED
-    assert back.load_object("extra.pt")["client_state"]["epoch"] == 7
+    # Adam's 0-d step beside a one-element piece (0.bias here) stays a per-group scalar.
+    assert saved.manifest["optim_keys"] == ["exp_avg", "exp_avg_sq"]
+    for world in (1, 3):
+        out = export_deepspeed(
+            tmp_path / "ss", tmp_path / f"to_ds{world}", world_size=world, zero_stage=1
+        )
+        back = DeepSpeedReader(out)
+        assert len(list(out.glob("zero_pp_rank_*_optim_states.pt"))) == world
+        assert sorted(back.names("model")) == sorted(saved.names("model"))
+        for name in saved.names("model"):
+            for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
+                got, want = back.read_full(f"{kind}/{name}"), saved.read_full(f"{kind}/{name}")
+                assert torch.equal(got, want), (world, kind, name)
+            assert torch.equal(back.read_full(f"master/{name}"), saved.read_full(f"model/{name}"))
+        m = back.manifest
+        assert (m["global_steps"], m["global_samples"], m["zero_stage"]) == (w.SAVED, 24, 1)
+        assert m["optim_scalars"]["0"]["step"]["value"] == w.SAVED
+        assert back.load_object("extra.pt")["client_state"]["epoch"] == 7
