@@ -372,12 +372,6 @@ class LayerReductionConfig(StrictModel):
 # Techniques or options slipstream parses but does not build, with the reason: refused when
 # enabled, never dropped. The key is the dotted path under compression_training.
 NOT_BUILT: dict[str, str] = {
-    "weight_quantization.shared_parameters.quantize_weight_in_forward": (
-        "it selects DeepSpeed's MoQ, which quantizes the fp16 optimizer's weights inside "
-        "its step (start_bits stepping down to target_bits every quantization_period); "
-        "slipstream builds the forward mode: set it to true (quantized forward, "
-        "straight-through gradients, target_bits from schedule_offset on)"
-    ),
     "sparse_pruning.shared_parameters.method": (
         "snip_momentum is Intel Neural Compressor's pruner, which DeepSpeed only wraps "
         "(pip neural-compressor); slipstream does not: use method l1 (magnitude mask) or "
@@ -394,9 +388,6 @@ def _refused(cfg: CompressionConfig) -> list[tuple[str, str]]:
     """(dotted key, how it is set) for each key of ``cfg`` asking for something in
     ``NOT_BUILT``."""
     out = []
-    wq = cfg.weight_quantization
-    if wq.enabled and not wq.shared_parameters.quantize_weight_in_forward:
-        out.append(("weight_quantization.shared_parameters.quantize_weight_in_forward", "= false"))
     sp = cfg.sparse_pruning
     if sp.enabled and sp.shared_parameters.method == "snip_momentum":
         out.append(("sparse_pruning.shared_parameters.method", "= 'snip_momentum'"))
