@@ -37,8 +37,8 @@ class WeightQuantizationParams(StrictModel):
     """``weight_quantization.different_groups.<name>.params``."""
 
     start_bits: int = Field(ge=1)
-    """Bits at the start of DeepSpeed's MoQ schedule (the optimizer-step mode); the forward
-    mode (``quantize_weight_in_forward``) quantizes at ``target_bits`` from the start."""
+    """Bits at the start of MoQ's schedule (``quantize_weight_in_forward`` false); the forward
+    mode quantizes at ``target_bits`` from the start."""
     target_bits: int = Field(ge=1)
     """Bits of the quantized weights: >= 3 uniform (symmetric/asymmetric), 2 ternary, 1 binary."""
     quantization_period: int = Field(1, ge=0)
@@ -99,7 +99,8 @@ class WeightQuantizationShared(StrictModel):
     enabled: bool = False
     """Quantize the weights of the groups' modules."""
     quantizer_kernel: bool = False
-    """DeepSpeed's CUDA kernel for the MoQ mode; no effect in the forward mode (as DeepSpeed)."""
+    """DeepSpeed's CUDA kernel for MoQ (refused there: nothing is compiled); no effect in the
+    forward mode (as DeepSpeed)."""
     schedule_offset: int = Field(0, ge=0)
     """Optimizer steps before quantization starts."""
     quantize_groups: int = Field(1, ge=1)
@@ -110,12 +111,12 @@ class WeightQuantizationShared(StrictModel):
     """Symmetric (scale only) or asymmetric (scale and zero point) uniform quantization."""
     quantize_weight_in_forward: bool = False
     """True: every forward uses the quantized weight, gradients pass straight through to the
-    full-precision weight (the mode slipstream implements). False: DeepSpeed's MoQ, which
-    overwrites the fp16 optimizer's weights after each step (refused, see docs)."""
+    full-precision weight. False: DeepSpeed's MoQ (fp16 only), which overwrites the fp16
+    weights with their quantized values after each step (``slipstream.compression.moq``)."""
     rounding: Literal["nearest", "stochastic"] = "nearest"
     """MoQ rounding; the forward mode always rounds to nearest (as DeepSpeed)."""
     fp16_mixed_quantize: _FP16MixedQuantize = Field(default_factory=lambda: _FP16MixedQuantize())
-    """MoQ's mixing of fp16 and quantized weights; no effect in the forward mode."""
+    """MoQ's blend of fp16 and quantized weights; no effect in the forward mode."""
 
 
 class _FP16MixedQuantize(StrictModel):
