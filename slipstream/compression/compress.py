@@ -111,6 +111,8 @@ def _enable(module: nn.Module, technique: str, s: dict[str, Any]) -> None:
             s["quantization_type"],
             s["quantize_groups"],
         )
+        # MoQ's bit schedule (quantize_weight_in_forward false; slipstream.compression.moq).
+        m.moq_start_bits, m.moq_period = s["start_bits"], s["quantization_period"]
     elif technique == "activation_quantization":
         m.enable_activation_quantization(s["bits"], s["quantization_type"], s["range_calibration"])
     elif technique == "sparse_pruning":

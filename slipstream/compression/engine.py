@@ -17,7 +17,9 @@ from torch import nn
 from slipstream._logging import log_rank0
 from slipstream.compression.helper import recursive_getattr
 from slipstream.compression.layers import CompressedBatchNorm2d, is_compressible
+from slipstream.compression.moq import MoQ
 from slipstream.compression.scheduler import SWITCHES, CompressionScheduler
+from slipstream.config import ConfigError
 from slipstream.runtime.extensions import register_engine_extension
 
 __all__ = ["attach_compression_scheduler_"]
@@ -55,6 +57,27 @@ def _warn_unprepared(module: nn.Module, scheduler: CompressionScheduler) -> None
             )
 
 
+def _moq(engine: Any) -> MoQ | None:
+    """DeepSpeed's MoQ quantizer when weight quantization runs outside the forward."""
+    wq = engine.config.compression_training.weight_quantization
+    if not wq.enabled or wq.shared_parameters.quantize_weight_in_forward:
+        return None
+    where = "compression_training.weight_quantization.shared_parameters"
+    if not engine.config.fp16.enabled:
+        raise ConfigError(
+            f"config key '{where}.quantize_weight_in_forward' = false (MoQ) quantizes the fp16 "
+            "weights after each step and needs fp16 (as in DeepSpeed): enable 'fp16', or set "
+            "quantize_weight_in_forward to true"
+        )
+    if wq.shared_parameters.quantizer_kernel:
+        raise ConfigError(
+            f"config key '{where}.quantizer_kernel' = true: DeepSpeed's CUDA quantizer kernel "
+            "is not built (slipstream compiles nothing); set it to false (the same arithmetic "
+            "in PyTorch)"
+        )
+    return MoQ(engine.module, wq.shared_parameters)
+
+
 def attach_compression_scheduler_(engine: Any) -> CompressionScheduler:
     """Give ``engine`` DeepSpeed's ``compression_scheduler`` and drive it from the engine's
     applied-step count: a step-zero check on the engine's first forwards, one scheduler step
@@ -62,10 +85,14 @@ def attach_compression_scheduler_(engine: Any) -> CompressionScheduler:
     scheduler = CompressionScheduler(engine.module, engine.config.compression_training)
     object.__setattr__(engine, "compression_scheduler", scheduler)
     _warn_unprepared(engine.module, scheduler)
+    moq = _moq(engine)
+    object.__setattr__(engine, "quantizer", moq)  # DeepSpeed's name (None without MoQ)
 
     def before_engine_forward(_mod: nn.Module, _args: Any) -> None:
         if engine.global_steps == 0:
             scheduler.step(step_zero_check=True)
+            if moq is not None and scheduler.weight_quantization_enabled:
+                moq.quantize()  # as DeepSpeed: on every forward before the first step
         _catch_up(engine, scheduler)
 
     def before_module_forward(_mod: nn.Module, _args: Any) -> None:
@@ -76,8 +103,13 @@ def attach_compression_scheduler_(engine: Any) -> CompressionScheduler:
     engine_step = engine.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
+        before, quantizing = engine.global_steps, scheduler.weight_quantization_enabled
         try:
-            return engine_step(*args, **kwargs)
+            out = engine_step(*args, **kwargs)
+            stepped = engine.global_steps > before and engine.was_step_applied()
+            if moq is not None and quantizing and stepped:  # not after an overflow (DeepSpeed)
+                moq.quantize()
+            return out
         finally:  # as DeepSpeed: the switches move with the step, not at the next forward
             _catch_up(engine, scheduler)
 

@@ -37,8 +37,8 @@ class WeightQuantizationParams(StrictModel):
     """``weight_quantization.different_groups.<name>.params``."""
 
     start_bits: int = Field(ge=1)
-    """Bits at the start of DeepSpeed's MoQ schedule (the optimizer-step mode); the forward
-    mode (``quantize_weight_in_forward``) quantizes at ``target_bits`` from the start."""
+    """Bits at the start of MoQ's schedule (``quantize_weight_in_forward`` false); the forward
+    mode quantizes at ``target_bits`` from the start."""
     target_bits: int = Field(ge=1)
     """Bits of the quantized weights: >= 3 uniform (symmetric/asymmetric), 2 ternary, 1 binary."""
     quantization_period: int = Field(1, ge=0)
@@ -99,7 +99,8 @@ class WeightQuantizationShared(StrictModel):
     enabled: bool = False
     """Quantize the weights of the groups' modules."""
     quantizer_kernel: bool = False
-    """DeepSpeed's CUDA kernel for the MoQ mode; no effect in the forward mode (as DeepSpeed)."""
+    """DeepSpeed's CUDA kernel for MoQ (refused there: nothing is compiled); no effect in the
+    forward mode (as DeepSpeed)."""
     schedule_offset: int = Field(0, ge=0)
     """Optimizer steps before quantization starts."""
     quantize_groups: int = Field(1, ge=1)
@@ -110,12 +111,12 @@ class WeightQuantizationShared(StrictModel):
     """Symmetric (scale only) or asymmetric (scale and zero point) uniform quantization."""
     quantize_weight_in_forward: bool = False
     """True: every forward uses the quantized weight, gradients pass straight through to the
-    full-precision weight (the mode slipstream implements). False: DeepSpeed's MoQ, which
-    overwrites the fp16 optimizer's weights after each step (refused, see docs)."""
+    full-precision weight. False: DeepSpeed's MoQ (fp16 only), which overwrites the fp16
+    weights with their quantized values after each step (``slipstream.compression.moq``)."""
     rounding: Literal["nearest", "stochastic"] = "nearest"
     """MoQ rounding; the forward mode always rounds to nearest (as DeepSpeed)."""
     fp16_mixed_quantize: _FP16MixedQuantize = Field(default_factory=lambda: _FP16MixedQuantize())
-    """MoQ's mixing of fp16 and quantized weights; no effect in the forward mode."""
+    """MoQ's blend of fp16 and quantized weights; no effect in the forward mode."""
 
 
 class _FP16MixedQuantize(StrictModel):
@@ -372,12 +373,6 @@ class LayerReductionConfig(StrictModel):
 # Techniques or options slipstream parses but does not build, with the reason: refused when
 # enabled, never dropped. The key is the dotted path under compression_training.
 NOT_BUILT: dict[str, str] = {
-    "weight_quantization.shared_parameters.quantize_weight_in_forward": (
-        "it selects DeepSpeed's MoQ, which quantizes the fp16 optimizer's weights inside "
-        "its step (start_bits stepping down to target_bits every quantization_period); "
-        "slipstream builds the forward mode: set it to true (quantized forward, "
-        "straight-through gradients, target_bits from schedule_offset on)"
-    ),
     "sparse_pruning.shared_parameters.method": (
         "snip_momentum is Intel Neural Compressor's pruner, which DeepSpeed only wraps "
         "(pip neural-compressor); slipstream does not: use method l1 (magnitude mask) or "
@@ -394,9 +389,6 @@ def _refused(cfg: CompressionConfig) -> list[tuple[str, str]]:
     """(dotted key, how it is set) for each key of ``cfg`` asking for something in
     ``NOT_BUILT``."""
     out = []
-    wq = cfg.weight_quantization
-    if wq.enabled and not wq.shared_parameters.quantize_weight_in_forward:
-        out.append(("weight_quantization.shared_parameters.quantize_weight_in_forward", "= false"))
     sp = cfg.sparse_pruning
     if sp.enabled and sp.shared_parameters.method == "snip_momentum":
         out.append(("sparse_pruning.shared_parameters.method", "= 'snip_momentum'"))

@@ -75,3 +75,62 @@ def all_runs(which: str, cases: list[tuple[dict[str, Any], bool, int]]) -> dict[
         "student": student_init(which),
         "pruning": [pruning(which, cfg, conv, steps) for cfg, conv, steps in cases],
     }
+
+
+MOQ_CASES = [
+    # (quantization_type, rounding-nearest only, (start, target) bits, mixed fp16)
+    ("symmetric", (8, 6), False),
+    ("asymmetric", (6, 4), True),
+    ("symmetric", (4, 1), False),
+]
+
+
+def moq_config(kind: str, bits: tuple[int, int], mixed: bool) -> dict[str, Any]:
+    wq = m.weight_quantization(offset=0, groups=8, kind=kind, bits=(bits[1], bits[1]))
+    wq["shared_parameters"]["quantize_weight_in_forward"] = False
+    wq["shared_parameters"]["fp16_mixed_quantize"] = {
+        "enabled": mixed,
+        "quantize_change_ratio": 0.3,
+    }
+    for group in wq["different_groups"].values():
+        group["params"].update(start_bits=bits[0], quantization_period=1)
+    cfg = m.ds_config(weight_quantization=wq)
+    cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+def moq_steps(which: str, steps: int = 7) -> list[list[torch.Tensor]]:
+    """MoQ's quantizer alone on a tiny BERT's fp16 weights: ``steps`` quantize calls with the
+    same deterministic update between them (the optimizer's part), weights after each."""
+    out = []
+    for kind, bits, mixed in MOQ_CASES:
+        cfg = moq_config(kind, bits, mixed)
+        model = m.tiny_bert(0)
+        init, _, _, get_config = _library(which)
+        init(model, copy.deepcopy(cfg))
+        model.half()
+        if which == "deepspeed":
+            from deepspeed.runtime.quantize import Quantizer
+
+            shared = get_config(copy.deepcopy(cfg))["weight_quantization"]["shared_parameters"]
+            q = Quantizer(8, mixed, 0.3, kind, "nearest", False, False, False, 0)
+            params = [p for p in model.parameters() if getattr(p, "start_bits", None)]
+            assert shared["quantize_weight_in_forward"] is False
+
+            def quantize(q: Any = q, params: list = params) -> None:
+                q.quantize([params], False, False, None)
+        else:
+            from slipstream.compression.moq import MoQ
+
+            moq = MoQ(model, get_config(cfg).weight_quantization.shared_parameters)
+            quantize = moq.quantize
+        gen = torch.Generator().manual_seed(3)
+        snaps = []
+        for _ in range(steps):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * torch.randn(p.shape, generator=gen).half())
+            quantize()
+            snaps.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]))
+        out.append(snaps)
+    return out

@@ -74,3 +74,15 @@ def test_pruning_matches(runs: tuple[dict, dict], name: str) -> None:
     for key, value in want["state"].items():
         assert got["state"][key].shape == value.shape, key
         torch.testing.assert_close(got["state"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_moq_quantizer_matches() -> None:
+    """MoQ (quantize_weight_in_forward false): the fp16 weights after each quantize call
+    (bits stepping down every period, which doubles; fp16 blend; ternary and binary) equal
+    DeepSpeed's Quantizer's, exactly. The engine's fp16 steps themselves differ from
+    DeepSpeed 0.19.6's on CPU without compression, so the step is compared alone."""
+    ours = run_world(w.moq_steps, 1, "slipstream", timeout_s=300)[0]
+    theirs = run_world(w.moq_steps, 1, "deepspeed", timeout_s=300)[0]
+    for case, got, want in zip(w.MOQ_CASES, ours, theirs, strict=True):
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{case} step {step}")

@@ -81,3 +81,31 @@ def test_engine_matches_deepspeed(ours: dict[str, dict]) -> None:
         torch.testing.assert_close(ours[name]["eval"], got["eval"], rtol=1e-6, atol=1e-6)
         for key, value in got["state"].items():
             torch.testing.assert_close(ours[name]["state"][key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_moq_quantizes_the_fp16_weights_after_each_step() -> None:
+    """MoQ through the engine: after training, a 4-bit group's fp16 weights hold at most 16
+    levels per quantization group."""
+    from tests.compression import _parity_workloads as pw
+
+    cfg = pw.moq_config("symmetric", (6, 4), False)
+    got = run_world(w.slipstream_run, 1, cfg, timeout_s=300)[0]
+    inter = got["state"]["bert.encoder.layer.0.intermediate.dense.weight"]
+    assert inter.dtype == torch.float16
+    assert max(g.unique().numel() for g in inter.float().reshape(8, -1)) <= 16
+    assert got["state"]["classifier.weight"].float().unique().numel() > 16  # in no group
+
+
+def test_moq_needs_fp16() -> None:
+    """As DeepSpeed asserts: MoQ overwrites fp16 weights, so it is refused without fp16."""
+    from types import SimpleNamespace
+
+    from slipstream.compression.engine import _moq
+    from slipstream.config import ConfigError, parse_config
+    from tests.compression import _parity_workloads as pw
+
+    cfg = pw.moq_config("symmetric", (6, 4), False)
+    del cfg["fp16"]
+    engine = SimpleNamespace(config=parse_config(cfg), module=m.tiny_bert(0))
+    with pytest.raises(ConfigError, match="quantize_weight_in_forward' = false \\(MoQ\\)"):
+        _moq(engine)

@@ -109,9 +109,6 @@ def test_bad_blocks_are_named(raw: dict[str, Any], message: str) -> None:
 
 
 _UNBUILT = {
-    "weight_quantization.shared_parameters.quantize_weight_in_forward": _wq(
-        quantize_weight_in_forward=False
-    ),
     "sparse_pruning.shared_parameters.method": {
         "sparse_pruning": {"shared_parameters": {"enabled": True, "method": "snip_momentum"}}
     },
