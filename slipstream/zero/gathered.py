@@ -142,7 +142,7 @@ def GatheredParameters(
             unit.active -= 1
             if modifier_rank is not None:
                 _keep_edits(store, unit, modifier_rank)
-            store.release(unit)
+            store.release(unit, keep_storage=True)  # tensors taken inside stay valid
 
 
 @torch.no_grad()

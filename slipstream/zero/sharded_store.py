@@ -296,7 +296,15 @@ class ShardedStore:
     def _live_numel(self) -> int:
         return sum(self.buckets[b].numel for u in self.units if u.gathered for b in u.buckets)
 
-    def release(self, unit: Unit) -> None:
+    def release(self, unit: Unit, keep_storage: bool = False) -> None:
+        """Free ``unit``'s gathered parameters (not while it is in use or persistent).
+
+        ``keep_storage`` (the end of a ``GatheredParameters`` block): leave the gathered
+        storage to the tensors a user took from it inside the block (``p.data.cpu()`` is
+        ``p.data`` itself on the CPU) and give the buckets fresh, empty storage; it is freed
+        when the last of those tensors goes, as in DeepSpeed. Otherwise the storage is
+        resized to 0 in place (tensors autograd saved see it refilled by the next gather).
+        """
         if not unit.gathered or unit.persistent or unit.active > 0:
             return
         for work in unit.pending:
@@ -309,7 +317,10 @@ class ShardedStore:
                 self.secondary.keep(b, flat)
             for p, empty in zip(self.buckets[b].params, self.empties[b]):
                 release_(p, empty)
-            flat.untyped_storage().resize_(0)
+            if keep_storage:
+                _fresh_storage_(self.buckets[b])
+            else:
+                flat.untyped_storage().resize_(0)
         for entry in unit.frozen:
             entry.free()
         unit.gathered = False
@@ -385,6 +396,18 @@ class ShardedStore:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _fresh_storage_(bucket: Bucket) -> None:
+    """Point ``bucket`` (flat tensor and parameter views) at new storage of 0 bytes, leaving
+    the old storage to whoever still holds views of it."""
+    flat = torch.empty(bucket.numel, dtype=bucket.flat.dtype, device=bucket.flat.device)
+    bucket.views = [
+        flat[off : off + shape.numel()].view(shape)
+        for off, shape in zip(bucket.offsets, bucket.shapes)
+    ]  # views need in-bounds storage to be made; released right after
+    flat.untyped_storage().resize_(0)
+    bucket.flat = flat
 
 
 def _warn_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
