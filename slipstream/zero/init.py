@@ -457,7 +457,11 @@ def unpartition_(model: nn.Module) -> None:
             continue
         owners[id(owner)] = owner
         value = owner.full(p).view(full_shape(p))
-        p.data = value.clone() if owner.world == 1 else value
+        if value.dtype != p.dtype:  # initialize cast the placeholder to the training dtype
+            value = value.to(p.dtype)
+        elif owner.world == 1:
+            value = value.clone()
+        p.data = value
         unmark_(p)
     for owner in owners.values():
         owner.drop_guards(model)

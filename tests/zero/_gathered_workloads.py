@@ -40,3 +40,24 @@ def taken_inside_stay_valid() -> dict[str, Any]:
         "loaded": all(torch.equal(loaded[n], copies[n]) for n in copies),
         "n": len(copies),
     }
+
+
+def init_model_for_inference_in_bf16() -> dict[str, Any]:
+    """A zero.Init (fp32) model initialized without an optimizer under a bf16 config (a
+    reference model in RLHF): gathered in full, every parameter in bf16."""
+    torch.manual_seed(0)
+    with slipstream.zero.Init():
+        model = GPT(GPTConfig.preset("tiny"))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    x = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        loss = engine(x, x)
+    return {
+        "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+        "loss": float(loss),
+    }
