@@ -445,11 +445,25 @@ def _partition_root(root: nn.Module, shards: InitShards) -> int:
 
 
 @torch.no_grad()
+def _broadcast_ordinary(model: nn.Module) -> None:
+    """Rank 0's values of the parameters of a partly ``zero.Init`` model that were made
+    outside it (and so may differ across ranks: loaded on rank 0 only inside a
+    ``GatheredParameters(modifier_rank=0)`` block, which passes them through), as DeepSpeed
+    broadcasts them before partitioning."""
+    if comm.get_world_size() == 1 or not any(init_owner(p) for p in model.parameters()):
+        return
+    for p in model.parameters():
+        if init_owner(p) is None and not p.is_meta:
+            comm.broadcast(p.data, src=0, label="init_params")
+
+
+@torch.no_grad()
 def unpartition_(model: nn.Module) -> None:
     """Give every rank the full value of each ``zero.Init`` parameter of ``model`` and make
     them ordinary parameters again (ZeRO stages 0-2 and inference hold the whole model).
     Collective: every rank calls it."""
     partition_meta_(model)
+    _broadcast_ordinary(model)
     owners: dict[int, InitShards] = {}
     for p in model.parameters():  # unique parameters, the same order on every rank
         owner = init_owner(p)
@@ -457,7 +471,11 @@ def unpartition_(model: nn.Module) -> None:
             continue
         owners[id(owner)] = owner
         value = owner.full(p).view(full_shape(p))
-        p.data = value.clone() if owner.world == 1 else value
+        if value.dtype != p.dtype:  # initialize cast the placeholder to the training dtype
+            value = value.to(p.dtype)
+        elif owner.world == 1:
+            value = value.clone()
+        p.data = value
         unmark_(p)
     for owner in owners.values():
         owner.drop_guards(model)

@@ -116,7 +116,11 @@ def _take_init_shards(model: nn.Module, store: ShardedStore) -> int:
         owners.add(init)
         value = init.full(p)
         peak = max(peak, value.numel())
-        p.data = (value.clone() if init.world == 1 else value).view(p.ds_shape)  # type: ignore[attr-defined]
+        if value.dtype != p.dtype:  # initialize cast the placeholder to the training dtype
+            value = value.to(p.dtype)
+        elif init.world == 1:
+            value = value.clone()
+        p.data = value.view(p.ds_shape)  # type: ignore[attr-defined]
         unmark_(p)
     for init in owners:
         init.drop_guards(model)
