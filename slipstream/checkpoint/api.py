@@ -39,7 +39,7 @@ from slipstream.checkpoint.format import (
     write_object,
     write_pieces,
 )
-from slipstream.checkpoint.state import collect_state, restore_state
+from slipstream.checkpoint.state import collect_state, restore_state, shared_parameter_names
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.version import __version__
@@ -292,6 +292,7 @@ def _write_files(
             tmp / "extra.pt",
             {
                 "client_state": client_state or {},
+                "shared_params": shared_parameter_names(engine.module),
                 "lr_scheduler": engine.lr_scheduler.state_dict()
                 if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
                 else None,

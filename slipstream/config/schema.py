@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from slipstream.config._base import StrictModel
 from slipstream.config.autotuning import AutotuningConfig
@@ -73,6 +73,13 @@ class CheckpointConfig(StrictModel):
     tag_validation: Literal["Warn", "Ignore", "Fail"] = "Warn"
     """What to do when ranks pass different tags: log a warning (and use rank 0's), ignore,
     or raise."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        """DeepSpeed upper-cases the value, so "FAIL", "fail" and "Fail" all mean Fail."""
+        return value.capitalize() if isinstance(value, str) else value
+
     load_universal: bool = False
     """Accepted for compatibility: every slipstream checkpoint loads at any world size/stage."""
     use_node_local_storage: bool = False

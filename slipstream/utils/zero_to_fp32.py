@@ -63,6 +63,12 @@ def get_fp32_state_dict_from_zero_checkpoint(
             out[name] = reader.read_full(source).float().reshape(reader.shape(source))
         for name in reader.names("buffer"):
             out[name] = reader.read_full(f"buffer/{name}").reshape(reader.shape(f"buffer/{name}"))
+        # Tied weights are stored once; their other names point at the same tensor, as in
+        # DeepSpeed's state dict, so load_state_dict(strict=True) finds every key.
+        shared: dict[str, str] = reader.load_object("extra.pt").get("shared_params", {})
+        for alias, owner in shared.items():
+            if owner in out:
+                out[alias] = out[owner]
     finally:
         reader.close()
     return out
