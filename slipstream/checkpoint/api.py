@@ -514,7 +514,8 @@ def _restore_rank_state(engine: TrainingState, reader: CheckpointReader, m: dict
     loader = engine.training_dataloader
     if world == m["world_size"]:
         own = reader.load_object(f"rank-{rank:05d}.pt")
-        _set_rng_state(own["rng"])
+        if engine.config.checkpoint.load_rng_state:
+            _set_rng_state(own["rng"])
         if own["dataloader"] is not None and loader is not None:
             loader.load_state_dict(own["dataloader"])
         return

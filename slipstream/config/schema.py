@@ -91,6 +91,10 @@ class CheckpointConfig(StrictModel):
     goes on; committed by the next save/load/destroy or ``engine.wait_for_checkpoint()``."""
     barrier_timeout: float = Field(default=300.0, gt=0)
     """Seconds to wait for every rank to enter save/load before naming the missing ranks."""
+    load_rng_state: bool = True
+    """(slipstream) ``load_checkpoint`` restores each rank's RNG states (same world size), so
+    a resumed run draws the dropout masks an uninterrupted one would. False: leave the RNG
+    alone, as DeepSpeed does."""
 
 
 # DeepSpeed clips the global gradient norm at 1.0 when the config has no "gradient_clipping"

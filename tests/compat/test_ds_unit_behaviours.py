@@ -1,7 +1,8 @@
 """Engine behaviours DeepSpeed's own unit tests check, at world 2 (stage 2 unless said):
 ``backward`` returns the loss over the accumulation steps, ``save_checkpoint(None)`` is a
 ValueError, ``zero_to_fp32`` keeps a tied weight's second name, ``no_sync`` cannot be
-re-entered, and a model built in a nested ``zero.Init`` is partitioned when that Init exits."""
+re-entered, a model built in a nested ``zero.Init`` is partitioned when that Init exits, and
+``checkpoint.load_rng_state`` switches the RNG restore off."""
 
 from __future__ import annotations
 
@@ -38,3 +39,9 @@ def test_no_sync_reentry_refused(results: list[dict]) -> None:
 
 def test_nested_init_partitions_at_inner_exit(results: list[dict]) -> None:
     assert all(r["nested_ds_id"] for r in results)
+
+
+def test_rng_restore_switch(results: list[dict]) -> None:
+    """load_checkpoint restores the RNG by default; checkpoint.load_rng_state=false leaves it
+    alone, as DeepSpeed does."""
+    assert all(r["rng_restored"] and r["rng_left_alone"] for r in results)
