@@ -31,8 +31,10 @@ fail on purpose and why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,8 +156,30 @@ def _read_junit(path: Path) -> dict[str, Outcome]:
     return outcomes
 
 
-def run_side(side: str, tests_dir: Path, ids: Sequence[str], timeout: float) -> SideRun:
-    """Run ``ids`` (relative to ``tests/unit``) with pytest --forked on one side."""
+_VERDICT = re.compile(r"^unit/(\S.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
+def _read_log(path: Path) -> dict[str, Outcome]:
+    """Verdicts from pytest's verbose lines, for a run stopped before it wrote its junit file."""
+    outcomes: dict[str, Outcome] = {}
+    ansi = re.compile(r"\x1b\[[0-9;]*m")
+    for line in ansi.sub("", path.read_text(errors="replace")).splitlines():
+        match = _VERDICT.match(line)
+        if match:
+            status = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped"}
+            outcomes[match[1]] = Outcome(status.get(match[2], "error"))
+    return outcomes
+
+
+def run_side(
+    side: str,
+    tests_dir: Path,
+    ids: Sequence[str],
+    timeout: float,
+    time_limit: float | None = None,
+) -> SideRun:
+    """Run ``ids`` (relative to ``tests/unit``) with pytest --forked on one side, stopping
+    after ``time_limit`` seconds (the tests not reached count as missing)."""
     import time
 
     env = dict(os.environ)
@@ -194,10 +218,13 @@ def run_side(side: str, tests_dir: Path, ids: Sequence[str], timeout: float) -> 
     ]
     start = time.perf_counter()
     log = tests_dir / f"pytest-{side}.log"
-    with log.open("w") as out:
-        subprocess.run(cmd, cwd=tests_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    # Stopped by the time limit: the tests reached so far are read from the log.
+    with log.open("w") as out, contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run(
+            cmd, cwd=tests_dir, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=time_limit
+        )
     run = SideRun(side, seconds=time.perf_counter() - start)
-    found = _read_junit(junit)
+    found = _read_junit(junit) or _read_log(log)
     for node in ids:
         run.outcomes[node] = found.get(node, Outcome("missing", "not collected (import error?)"))
     if any(o.status == "missing" for o in run.outcomes.values()):
@@ -278,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ids", nargs="*", default=None, help="run these node ids instead")
     parser.add_argument("--ids-file", type=Path, default=None, help="node ids, one a line")
     parser.add_argument("--timeout", type=float, default=300, help="DS_UNITTEST_TIMEOUT (s)")
+    parser.add_argument(
+        "--time-limit", type=float, default=None, help="stop each side after this many seconds"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
     parser.add_argument("--keep", type=Path, default=None, help="work here and keep the logs")
     args = parser.parse_args(argv)
@@ -304,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         tests_dir = extract_tests(args.source.resolve(), work)
         sides = SIDES if args.side == "both" else (args.side,)
-        runs = {s: run_side(s, tests_dir, ids, args.timeout) for s in sides}
+        runs = {s: run_side(s, tests_dir, ids, args.timeout, args.time_limit) for s in sides}
         summary = report(runs, ids)
         summary["outcomes"] = {
             s: {n: [o.status, o.message] for n, o in r.outcomes.items()} for s, r in runs.items()
