@@ -210,6 +210,8 @@ def run_side(
         "_forked_marshal_fix",
         "-p",
         "no:cacheprovider",
+        # A file that fails to import fails its own tests, not the whole run.
+        "--continue-on-collection-errors",
         "-q",
         "-o",
         "junit_family=xunit1",

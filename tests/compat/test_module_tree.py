@@ -117,3 +117,31 @@ def test_op_builders_build_nothing() -> None:
 def test_tag_validation_any_case(value: str) -> None:
     cfg = parse_config({"train_batch_size": 1, "checkpoint": {"tag_validation": value}})
     assert cfg.checkpoint.tag_validation == value.capitalize()
+
+
+def test_leaf_module_marks_and_optim_file_order(tmp_path) -> None:
+    import torch
+
+    from slipstream.accelerator import get_accelerator
+    from slipstream.utils import (
+        get_z3_leaf_modules,
+        set_z3_leaf_modules,
+        unset_z3_leaf_modules,
+        z3_leaf_module,
+    )
+    from slipstream.utils.zero_to_fp32 import get_optim_files
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    set_z3_leaf_modules(model, [torch.nn.Linear])
+    assert get_z3_leaf_modules(model) == [model[0], model[2]] and z3_leaf_module(model[0])
+    unset_z3_leaf_modules(model, [torch.nn.Linear])
+    assert get_z3_leaf_modules(model) == [] and not z3_leaf_module(model[2])
+
+    names = [f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt" for i in range(12)]
+    for n in reversed(names):
+        (tmp_path / n).write_text(n)
+    assert get_optim_files(tmp_path) == [str(tmp_path / n) for n in names]
+    with pytest.raises(FileNotFoundError, match=r"_optim_states\.pt"):
+        get_optim_files(tmp_path / "missing")
+    t = torch.ones(3)
+    assert get_accelerator().unpin_memory(t) is t
