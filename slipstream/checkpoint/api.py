@@ -41,7 +41,7 @@ from slipstream.checkpoint.format import (
     write_pieces,
 )
 from slipstream.checkpoint.from_deepspeed import DeepSpeedReader, check_optimizer, is_deepspeed_tag
-from slipstream.checkpoint.state import collect_state, restore_state
+from slipstream.checkpoint.state import collect_state, restore_state, shared_parameter_names
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.version import __version__
@@ -310,6 +310,7 @@ def _write_files(
             tmp / "extra.pt",
             {
                 "client_state": client_state or {},
+                "shared_params": shared_parameter_names(engine.module),
                 "lr_scheduler": engine.lr_scheduler.state_dict()
                 if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
                 else None,
@@ -559,7 +560,8 @@ def _restore_rank_state(engine: TrainingState, reader: LogicalReader, m: dict[st
         return
     if world == m["world_size"]:
         own = reader.load_object(f"rank-{rank:05d}.pt")
-        _set_rng_state(own["rng"])
+        if engine.config.checkpoint.load_rng_state:
+            _set_rng_state(own["rng"])
         if own["dataloader"] is not None and loader is not None:
             loader.load_state_dict(own["dataloader"])
         return

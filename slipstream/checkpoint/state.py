@@ -75,6 +75,18 @@ def checkpoint_name(name: str, p: torch.Tensor) -> str:
     return f"{name}.tp{shard.rank}of{shard.size}"
 
 
+def shared_parameter_names(module: nn.Module) -> dict[str, str]:
+    """Tied parameters: each extra name of a parameter -> the name it is saved under (the
+    first, as ``named_parameters`` keeps it). DeepSpeed records these as ``shared_params``."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(p), checkpoint_name(name, p))
+        if owner != checkpoint_name(name, p):
+            aliases[checkpoint_name(name, p)] = owner
+    return aliases
+
+
 _TP_SUFFIX = re.compile(r"\.tp(\d+)of(\d+)$")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from slipstream.config._base import StrictModel
 from slipstream.config.aio import AioConfig
@@ -75,6 +75,13 @@ class CheckpointConfig(StrictModel):
     tag_validation: Literal["Warn", "Ignore", "Fail"] = "Warn"
     """What to do when ranks pass different tags: log a warning (and use rank 0's), ignore,
     or raise."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        """DeepSpeed upper-cases the value, so "FAIL", "fail" and "Fail" all mean Fail."""
+        return value.capitalize() if isinstance(value, str) else value
+
     load_universal: bool = False
     """Accepted for compatibility: every slipstream checkpoint loads at any world size/stage."""
     use_node_local_storage: bool = False
@@ -86,6 +93,10 @@ class CheckpointConfig(StrictModel):
     goes on; committed by the next save/load/destroy or ``engine.wait_for_checkpoint()``."""
     barrier_timeout: float = Field(default=300.0, gt=0)
     """Seconds to wait for every rank to enter save/load before naming the missing ranks."""
+    load_rng_state: bool = True
+    """(slipstream) ``load_checkpoint`` restores each rank's RNG states (same world size), so
+    a resumed run draws the dropout masks an uninterrupted one would. False: leave the RNG
+    alone, as DeepSpeed does."""
 
 
 # DeepSpeed clips the global gradient norm at 1.0 when the config has no "gradient_clipping"

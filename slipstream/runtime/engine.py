@@ -170,6 +170,9 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
 
         Gradients are accumulated and, on the boundary (or every micro-step at stage 2),
         reduced across data-parallel ranks while backward runs.
+
+        Returns, as DeepSpeed does, the loss divided by ``gradient_accumulation_steps``
+        (undivided with ``scale_wrt_gas=False``), without the fp16 loss scale.
         """
         if loss.dim() != 0:
             raise ValueError(
@@ -187,7 +190,7 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
                 self._require_optimizer().disarm_backward()
                 raise
             self._require_optimizer().finish_backward()
-        return loss
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Advance one micro-step; on the boundary run the optimizer, scheduler and zero grads."""
@@ -232,6 +235,11 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
                 "(reduce-scattered) every micro-step. Use gradient_accumulation_steps instead, "
                 "or ZeRO stage 0/1"
             )
+        if self._no_sync:
+            raise RuntimeError(
+                "engine.no_sync() entered again inside engine.no_sync(): re-entry is not "
+                "supported (as in DeepSpeed); leave the outer context first"
+            )
         self._no_sync = True
         try:
             yield
@@ -270,6 +278,10 @@ class Engine(DeepSpeedEngineAttributes, nn.Module):
         atomically when complete; with ``save_latest`` the ``latest`` file names it. The
         checkpoint loads at any world size and ZeRO stage. ``client_state`` round-trips.
         """
+        if save_dir is None:
+            raise ValueError(
+                "save_checkpoint(save_dir=None): pass the directory to write the checkpoint to"
+            )
         if exclude_frozen_parameters:
             raise ValueError("exclude_frozen_parameters=True is not supported yet: pass False")
         self.wait_for_checkpoint()

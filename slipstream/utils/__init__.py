@@ -15,7 +15,12 @@ from slipstream.utils.tensor_fragment import (
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
-from slipstream.zero import set_z3_leaf_modules
+from slipstream.zero import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 
 __all__ = [
     "OnDevice",
@@ -29,3 +34,4 @@ __all__ = [
     "safe_set_full_optimizer_state",
     "set_z3_leaf_modules",
 ]
+__all__ += ["get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]

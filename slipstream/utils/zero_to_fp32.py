@@ -14,8 +14,10 @@ checkpoint (run ``python -m slipstream.utils.zero_to_fp32`` or ``slipstream conv
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -26,7 +28,10 @@ from slipstream.checkpoint.format import CheckpointReader
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_checkpoint_files",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_files",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
 ]
 
@@ -63,6 +68,12 @@ def get_fp32_state_dict_from_zero_checkpoint(
             out[name] = reader.read_full(source).float().reshape(reader.shape(source))
         for name in reader.names("buffer"):
             out[name] = reader.read_full(f"buffer/{name}").reshape(reader.shape(f"buffer/{name}"))
+        # Tied weights are stored once; their other names point at the same tensor, as in
+        # DeepSpeed's state dict, so load_state_dict(strict=True) finds every key.
+        shared: dict[str, str] = reader.load_object("extra.pt").get("shared_params", {})
+        for alias, owner in shared.items():
+            if owner in out:
+                out[alias] = out[owner]
     finally:
         reader.close()
     return out
@@ -151,3 +162,30 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _natural_key(path: str) -> list[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def get_checkpoint_files(checkpoint_dir: str | os.PathLike[str], glob_pattern: str) -> list[str]:
+    """The files of a DeepSpeed checkpoint tag directory matching ``glob_pattern``, in
+    natural order (``rank_2`` before ``rank_10``), as DeepSpeed lists them.
+
+    Raises:
+        FileNotFoundError: nothing matches.
+    """
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, glob_pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """A DeepSpeed checkpoint's ``*_optim_states.pt`` files, in natural order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """A DeepSpeed checkpoint's ``*_model_states.pt`` files, in natural order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")

@@ -16,6 +16,7 @@ from slipstream.zero.param import ZeroParamStatus, is_zero_param
 from slipstream.zero.policies import StepPolicy
 from slipstream.zero.shard import shard_zero_
 from slipstream.zero.stage3 import set_z3_leaf_modules
+from slipstream.zero.units import get_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 __all__ = [
     "Bucket",
@@ -35,3 +36,4 @@ __all__ = [
     "shard_zero_",
     "unregister_external_parameter",
 ]
+__all__ += ["get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]

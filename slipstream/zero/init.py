@@ -171,7 +171,10 @@ class Init:
         for handle in self._handles:
             handle.remove()
         try:
-            if _STATE.depth == 1 and exc_type is None:
+            # As DeepSpeed, a model built in a nested Init is partitioned (has ds_id) when
+            # that Init exits. Everything pending is partitioned then, in build order, so the
+            # initial values follow the RNG stream of the construction order.
+            if exc_type is None:
                 partition_pending()
         finally:  # leave the context even when partitioning raised
             if _STATE.depth == 1:

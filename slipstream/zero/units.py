@@ -22,7 +22,15 @@ from slipstream.zero.flat import Bucket, make_bucket
 from slipstream.zero.param import EXTERNAL_ATTR
 from slipstream.zero.zeropp import FrozenInt8
 
-__all__ = ["Unit", "UnitPlan", "plan_units", "set_z3_leaf_modules"]
+__all__ = [
+    "Unit",
+    "UnitPlan",
+    "get_z3_leaf_modules",
+    "plan_units",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+]
 
 _LEAF_ATTR = "_slipstream_z3_leaf"
 
@@ -38,6 +46,28 @@ def set_z3_leaf_modules(
     for m in marked:
         setattr(m, _LEAF_ATTR, True)
     return marked
+
+
+def unset_z3_leaf_modules(
+    model: nn.Module, leaf_classes: Sequence[type[nn.Module]]
+) -> list[nn.Module]:
+    """Undo :func:`set_z3_leaf_modules` for these classes (before ``initialize``); returns
+    the modules unmarked."""
+    marked = [m for m in model.modules() if isinstance(m, tuple(leaf_classes))]
+    for m in marked:
+        if hasattr(m, _LEAF_ATTR):
+            delattr(m, _LEAF_ATTR)
+    return marked
+
+
+def z3_leaf_module(module: nn.Module) -> bool:
+    """Whether ``module`` is marked to be gathered as one ZeRO-3 unit."""
+    return bool(getattr(module, _LEAF_ATTR, False))
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    """The marked modules of ``model``, in ``modules()`` order."""
+    return [m for m in model.modules() if z3_leaf_module(m)]
 
 
 @dataclass
