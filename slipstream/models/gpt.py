@@ -556,14 +556,9 @@ class GPT(nn.Module):
                 f"generate got max_new_tokens={max_new_tokens}, temperature={temperature}, "
                 f"top_k={top_k}; need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None"
             )
-        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        if bool(bad.any()):
-            row, col = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"generate: input_ids[{row}, {col}] = {int(input_ids[row, col])} is not a token "
-                f"of this model (vocabulary of {self.config.vocab_size}: ids 0.."
-                f"{self.config.vocab_size - 1})"
-            )
+        if (bad := ((input_ids < 0) | (input_ids >= self.config.vocab_size)).nonzero()).numel():
+            raise ValueError(f"generate: input_ids{(at := bad[0].tolist())} = {int(input_ids[tuple(at)])} is not a token "
+                             f"of this model (vocabulary of {self.config.vocab_size})")  # fmt: skip
         ids = input_ids
         for _ in range(max_new_tokens):
             logits = self(ids[:, -self.config.max_seq_len :])[:, -1, :].float()
