@@ -548,9 +548,9 @@ def monitored_barrier(timeout: timedelta, what: str) -> None:
         if elapsed < 0.9 * timeout.total_seconds():  # not a timeout: the connection closed
             who = _ranks_text(missing) if missing else "a rank"
             raise PeerDiedError(
-                f"{what}: {who} died (its connection closed {elapsed:.2f} s into the "
-                f"barrier, long before the {timeout.total_seconds():.0f} s timeout): see "
-                f"that rank's own error"
+                f"{what}: {who} is gone: its connection closed {elapsed:.2f} s into the barrier, "
+                f"long before the {timeout.total_seconds():.0f} s timeout (its process died, or "
+                f"its script ended without calling {what}); see that rank's own error"
             ) from e
         raise RuntimeError(
             f"{what}: not every rank called it within {timeout.total_seconds():.0f} s (ranks "
