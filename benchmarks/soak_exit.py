@@ -22,7 +22,8 @@ finalization, C++ static destructors), about 10x less CPU per cycle on a loaded 
 ``--busy N`` starts N busy-loop processes beside the job for the whole soak (the load that
 made the abort likelier); ``--cores`` lets the ranks write core dumps (``ulimit -c``) into
 each failing cycle's directory under ``--keep`` (read one with ``gdb python core`` and
-``thread apply all bt``). The summary prints the counts per variant, the seconds per cycle
+``thread apply all bt``); a rank still running at ``--timeout`` (fork mode) has every
+thread's stack saved by gdb first. The summary prints the counts per variant, the seconds per cycle
 and the load average before and after.
 """
 
@@ -130,6 +131,7 @@ def _fork_cycle(
                     codes[pid] = os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
             for pid in set(pids) - set(codes):
+                _dump_stacks(pid, work / f"stacks-{pid}.txt")
                 os.kill(pid, signal.SIGKILL)
                 codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             return None, _logs(work)
@@ -138,6 +140,19 @@ def _fork_cycle(
     # As a shell reports a signal: 128 + its number (SIGABRT: 134).
     first = (128 - bad[0] if bad[0] < 0 else bad[0]) if bad else 0
     return first, _logs(work)
+
+
+def _dump_stacks(pid: int, out: Path) -> None:
+    """Every thread's native stack of a hung rank (gdb, when installed), before it is killed."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return
+    cmd = [gdb, "-batch", "-p", str(pid), "-ex", "thread apply all bt 30"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        out.write_text(done.stdout + done.stderr)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        out.write_text(f"gdb failed: {err}")
 
 
 def _logs(work: Path) -> str:
@@ -204,8 +219,8 @@ def soak(args: argparse.Namespace) -> int:
                 where = keep / f"failed-{cycle:04d}"
                 where.mkdir(exist_ok=True)
                 (where / "output.txt").write_text(out)
-                for core in work.glob("core*"):
-                    core.rename(where / core.name)
+                for kept in [*work.glob("core*"), *work.glob("stacks-*.txt")]:
+                    kept.rename(where / kept.name)
                 tail = " | ".join(out.strip().splitlines()[-3:])
                 failures.append(f"cycle {cycle} ({variant}): exit {code}: {tail[-300:]}")
                 print(failures[-1], flush=True)

@@ -596,14 +596,9 @@ class GPT(nn.Module):
         check_generation_ready(self)
         context = self.config.max_seq_len
         fit = max(0, min(max_new_tokens, context - input_ids.shape[1]))
-        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        if bool(bad.any()):
-            row, col = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"generate: input_ids[{row}, {col}] = {int(input_ids[row, col])} is not a token "
-                f"of this model (vocabulary of {self.config.vocab_size}: ids 0.."
-                f"{self.config.vocab_size - 1})"
-            )
+        if (bad := ((input_ids < 0) | (input_ids >= self.config.vocab_size)).nonzero()).numel():
+            raise ValueError(f"generate: input_ids{(at := bad[0].tolist())} = {int(input_ids[tuple(at)])} is not a token "
+                             f"of this model (vocabulary of {self.config.vocab_size})")  # fmt: skip
         ids = input_ids
         if fit:
             req = generation_request(ids, fit, temperature, top_k, generator)

@@ -54,6 +54,7 @@ def test_rank_dying_at_save_is_named_dead_not_missing(tmp_path):
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert procs[1].returncode == 3, outs[1]
     line = next((ln for ln in outs[0].splitlines() if ln.startswith("ERROR")), outs[0][-2000:])
-    assert "save_checkpoint: rank 1 died (its connection closed" in line, line
+    assert "save_checkpoint: rank 1 is gone: its connection closed" in line, line
+    assert "(its process died, or its script ended without calling save_checkpoint)" in line
     assert "nothing was written" in line, line
     assert "within 300 s" not in line and "not only on rank 0" not in line, line

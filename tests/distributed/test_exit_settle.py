@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from slipstream.distributed import comm
+from slipstream.distributed import _exit, comm
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -34,7 +34,7 @@ def test_settle_waits_while_a_gloo_thread_is_runnable() -> None:
     spinner.start()
     try:
         time.sleep(0.05)
-        assert comm._runnable_comm_threads() >= 1
+        assert _exit._runnable_comm_threads() >= 1
         t0 = time.monotonic()
         assert not comm.settle_comm_threads(timeout_s=0.3)
         assert time.monotonic() - t0 >= 0.3
@@ -48,7 +48,7 @@ def test_settle_waits_while_a_gloo_thread_is_runnable() -> None:
 
 _SCRIPT = """
 import sys, torch, torch.distributed as dist
-from slipstream.distributed import comm
+from slipstream.distributed import _exit, comm
 calls = []
 real = comm.settle_comm_threads
 comm.settle_comm_threads = lambda *a, **k: calls.append(real(*a, **k))
