@@ -212,7 +212,17 @@ def run(
             row = ROWS[name]
             print(f"[moe] round {rnd + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
             factory = partial(build_model, shape, row)
-            out[name].append(run_framework(name, PEERS[row.framework], cfg, factory))
+            result = run_framework(name, PEERS[row.framework], cfg, factory)
+            out[name].append(result)
+            if result.ok:  # as it comes, so that an interrupted run still reports
+                print(
+                    f"[moe]   {name}: {result.median_ms:.1f} ms/step, "
+                    f"{result.peak_mem_bytes / _MB:.0f} MB peak, loss {result.final_loss:.4f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                print(f"[moe]   {name}: {result.error}", file=sys.stderr, flush=True)
     return out
 
 

@@ -272,7 +272,7 @@ def _refuse_expert_parallel(engine: TrainingState, what: str) -> None:
     expert-parallel rank; saving them by global expert id is not built yet (every rank has
     the same buckets, so every rank raises)."""
     opt = engine.optimizer
-    if opt is not None and any(b.expert is not None for b in opt.buckets):
+    if any(getattr(b, "expert", None) is not None for b in getattr(opt, "buckets", ())):
         raise CheckpointError(
             f"{what} of a model with MoE expert parallelism (ep_size > 1) is not supported "
             "yet: checkpoint with ep_size 1, or save the expert weights yourself"

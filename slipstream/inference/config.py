@@ -45,17 +45,49 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 _REFUSED: dict[str, str] = {
     "zero": "ZeRO-Inference (weights streamed from CPU/NVMe) is not implemented; load the "
     "model whole, or quantize it (quant=...) to fit",
-    "moe": "mixture-of-experts inference is not implemented; remove the key",
     "injection_policy": "custom injection policies do not apply: slipstream generates with the "
     "model's own modules (replace_with_kernel_inject selects nothing else); remove the key",
     "injection_dict": "custom injection policies do not apply (see injection_policy); remove it",
     "injection_policy_tuple": "custom injection policies do not apply; remove the key",
     "save_mp_checkpoint_path": "saving a tensor-parallel sharded checkpoint at load time is "
     "not implemented; save with slipstream's checkpoint API instead",
-    "ep_size": "expert parallelism is not implemented for inference; remove the key",
-    "moe_experts": "mixture-of-experts inference is not implemented; remove the key",
-    "moe_type": "mixture-of-experts inference is not implemented; remove the key",
 }
+
+
+_MOE_TYPES = ("standard", "residual")
+
+
+def _check_moe_keys(base: dict[str, Any]) -> None:
+    """DeepSpeed's MoE inference keys (``moe`` block, or the older top-level ``ep_size``,
+    ``moe_experts``, ``moe_type``). slipstream generates with the model's own MoE layers
+    (``slipstream.moe``), so the expert count and type come from the model, as in DeepSpeed
+    without kernel injection; only expert parallelism across ranks is refused. Removes them."""
+    moe = base.pop("moe", None)
+    block = moe if isinstance(moe, dict) else {}
+    if moe not in (None, True, False) and not isinstance(moe, dict):
+        raise ConfigError(f"init_inference: config key 'moe' = {moe!r} must be a dict or a bool")
+    ep = block.get("ep_size", base.pop("ep_size", None))
+    if ep not in (None, 1):
+        raise ConfigError(
+            f"init_inference: config key 'ep_size' = {ep!r}: expert parallelism is not "
+            "implemented for inference; use ep_size 1 (every rank holds every expert)"
+        )
+    kind = block.get("type", base.pop("moe_type", None))
+    if kind is not None and str(getattr(kind, "value", kind)) not in _MOE_TYPES:
+        raise ConfigError(
+            f"init_inference: config key 'moe_type' = {kind!r} must be 'standard' or 'residual'"
+        )
+    experts = block.get("moe_experts", base.pop("moe_experts", None))
+    if experts is not None and not (
+        isinstance(experts, list) and all(isinstance(e, int) and e >= 1 for e in experts)
+    ):
+        raise ConfigError(
+            f"init_inference: config key 'moe_experts' = {experts!r} must be a list of "
+            "positive expert counts"
+        )
+    unknown = sorted(set(block) - {"enabled", "ep_size", "type", "moe_experts"})
+    if unknown:
+        raise ConfigError(f"init_inference: unknown key(s) {unknown} in the 'moe' block")
 
 
 def parse_dtype(value: Any, where: str = "dtype") -> torch.dtype:
@@ -224,6 +256,7 @@ def read_inference_config(config: Any, kwargs: dict[str, Any]) -> InferenceConfi
         base[key] = value
     if base.get("dtype") is not None:
         base["dtype"] = parse_dtype(base["dtype"])
+    _check_moe_keys(base)
     for key, why in _REFUSED.items():
         value = base.pop(key, None)
         neutral: tuple[Any, ...] = (None, 1) if key == "ep_size" else (None, {}, False)
