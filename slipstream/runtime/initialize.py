@@ -149,9 +149,12 @@ def initialize(
     loader = None
     if training_data is not None:
         if dims.sp > 1:  # the sp ranks of a dp rank read the same samples, keep their slice
-            from slipstream.sequence import SequenceShardCollate
+            from slipstream.sequence import SequenceShardCollate, shard_causal_lm_batch
+            from slipstream.sequence.hf import is_hf_attention_model
 
-            collate_fn = SequenceShardCollate(mesh.get_group("sp"), collate_fn)
+            # A Hugging Face causal LM: labels shifted on the full sequence, global positions.
+            shard = shard_causal_lm_batch if is_hf_attention_model(model) else None
+            collate_fn = SequenceShardCollate(mesh.get_group("sp"), collate_fn, shard=shard)
         loader = build_dataloader(
             training_data,
             cfg.batch[1],
