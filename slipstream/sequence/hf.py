@@ -44,6 +44,7 @@ from slipstream.sequence.loss import sequence_parallel_cross_entropy
 __all__ = [
     "install_hf_ulysses_",
     "is_hf_attention_model",
+    "is_ulysses_attention",
     "shard_causal_lm_batch",
     "ulysses_hf_attention",
 ]
@@ -150,7 +151,14 @@ def ulysses_hf_attention(
         # The core returns [B, S, H/P, D]: back to this rank's tokens and all heads.
         return all_to_all_dims(out, sp_group, scatter_dim=1, gather_dim=2), weights
 
+    attention._slipstream_ulysses = True  # type: ignore[attr-defined]
     return attention
+
+
+def is_ulysses_attention(fn: Any) -> bool:
+    """Whether ``fn`` already runs Ulysses (a function of this module or one registered by
+    DeepSpeed's ALST entry point ``UlyssesSPAttentionHF.register_with_transformers``)."""
+    return bool(getattr(fn, "_slipstream_ulysses", False))
 
 
 def _sp_loss(sp_group: comm.Group) -> Callable[..., torch.Tensor]:
@@ -224,8 +232,11 @@ def install_hf_ulysses_(model: nn.Module, sp_group: comm.Group) -> str:
     pre-hook that supplies global ``position_ids`` and refuses padding masks.
     ``slipstream.initialize`` calls this when ``sequence_parallel_size > 1``.
 
+    When the model's implementation is already routed through Ulysses (DeepSpeed's
+    ``UlyssesSPAttentionHF.register_with_transformers``), nothing is changed.
+
     Returns:
-        The registered attention name.
+        The attention name the model uses.
     Raises:
         ValueError: the head counts cannot be split over the group (names the model, the
             counts and the sizes that work).
@@ -247,6 +258,10 @@ def install_hf_ulysses_(model: nn.Module, sp_group: comm.Group) -> str:
             f"{type(model).__name__} already runs Ulysses attention ({core_name}): a model "
             "can be prepared for sequence parallelism once"
         )
+    if is_ulysses_attention(ALL_ATTENTION_FUNCTIONS.get(core_name)):
+        # An ALST script registered Ulysses under this name already (and computes its loss
+        # from shift_labels itself): nothing more to install.
+        return str(core_name)
     if core_name == "eager":  # each modeling file has its own; looked up per call
         from transformers.models.llama.modeling_llama import eager_attention_forward
 

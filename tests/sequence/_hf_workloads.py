@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 STEPS = 3
 SEQ = 16
-SAMPLES = 12
+SAMPLES = 16
 BATCH = 4
 VOCAB = 64
 # SGD, not Adam: Adam is invariant to a constant gradient scale, which would hide P-fold errors.
@@ -118,16 +118,76 @@ def reference_run(name: str) -> dict[str, Any]:
     """One process, the whole batch, the sampler's order (seed 7), the model's own loss."""
     model = make_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(7)).tolist()
-    data = LMData()
     losses = []
-    for step in range(STEPS):
-        idx = order[step * BATCH : (step + 1) * BATCH]
-        ids = torch.stack([data[i]["input_ids"] for i in idx])
-        labels = torch.stack([data[i]["labels"] for i in idx])
-        loss = model(input_ids=ids, labels=labels).loss
+    for batch in _global_batches()[:STEPS]:
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+# ------------------------------------------------------------------ DeepSpeed's ALST names
+def alst_run(name: str, stage: int) -> dict[str, Any]:
+    """DeepSpeed's ALST script shape: register, initialize(mpu=), the loader adapter, and the
+    loss from shift_labels weighted by each shard's token count (differentiable all-gather)."""
+    import torch.distributed.nn.functional as dist_fn
+
+    import slipstream
+    from slipstream.runtime.sequence_parallel.ulysses_sp import (
+        UlyssesSPAttentionHF,
+        UlyssesSPDataLoaderAdapter,
+    )
+
+    sp = dist.get_world_size()
+    model = make_model(name)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=sp,
+        micro_batch_size=BATCH,
+        seq_length_is_variable=True,
+    )
+    assert mpu is not None
+    engine, _, _, _ = slipstream.initialize(model=model, config=_config(stage, sp), mpu=mpu)
+    group, rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+    # Rank r reads global batches r, r+P, ...: the adapter serves them in global order.
+    batches = _global_batches()
+    mine = [batches[k] for k in range(rank, len(batches), sp)]
+    loader = UlyssesSPDataLoaderAdapter(mine, rank, group, sp, engine.device)
+    losses = []
+    for _, batch in zip(range(STEPS), loader):
+        shift_labels = batch.pop("shift_labels")
+        logits = engine(**batch).logits
+        local = engine.module.loss_function(
+            logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB
+        )
+        good = (shift_labels != -100).sum()
+        per_rank = dist_fn.all_gather(local, group=group)
+        counts = [int(c) for c in dist_fn.all_gather(good, group=group)]
+        loss = sum(lo * c for lo, c in zip(per_rank, counts)) / sum(counts)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "params": params}
+
+
+def _global_batches() -> list[dict[str, torch.Tensor]]:
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(7)).tolist()
+    data = LMData()
+    out = []
+    for step in range(SAMPLES // BATCH):
+        idx = order[step * BATCH : (step + 1) * BATCH]
+        ids = torch.stack([data[i]["input_ids"] for i in idx])
+        labels = torch.stack([data[i]["labels"] for i in idx])
+        pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+        out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return out
+
+
+def alst_world(name: str, stage: int) -> dict[str, Any]:
+    return alst_run(name, stage)

@@ -3,6 +3,13 @@ process in loss and parameters, GQA with fewer KV heads than P, the refusal, the
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +66,53 @@ def test_shard_causal_lm_batch_keeps_edge_targets():
     padded = dict(batch, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]]))
     with pytest.raises(ValueError, match="attention_mask has padding"):
         shard_causal_lm_batch(padded, 2, 0)
+
+
+def test_deepspeed_alst_script_matches_single_process():
+    """DeepSpeed's ALST names (register_with_transformers, initialize(mpu=), the loader
+    adapter, the script's weighted loss) train Qwen2 with 1 KV head at SP=2, ZeRO-2, to the
+    same losses and parameters as one process (fp32, rtol 1e-5 / atol 2e-5)."""
+    per_rank = run_world(w.alst_world, 2, "qwen2_kv1", 2)
+    ref = w.reference_run("qwen2_kv1")
+    assert_same_training(per_rank[0], ref, "ALST SP=2", param_rtol=1e-5, param_atol=2e-5)
+    assert per_rank[1]["losses"] == per_rank[0]["losses"]
+
+
+_SIGNATURES = """
+import inspect, json, sys
+sys.path.insert(0, {root!r})
+if {ours}:
+    from slipstream.runtime.sequence_parallel import ulysses_sp
+else:
+    from tests.compat._deepspeed import import_deepspeed
+    import_deepspeed()
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+def sig(f):
+    return [(p.name, repr(p.default), str(p.kind)) for p in inspect.signature(f).parameters.values()]
+a, d = ulysses_sp.UlyssesSPAttentionHF, ulysses_sp.UlyssesSPDataLoaderAdapter
+print(json.dumps([sig(a.__init__), sig(a.register_with_transformers), sig(a.forward),
+                  sig(d.__init__)]))
+"""
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed"
+)
+def test_alst_names_have_deepspeeds_signatures():
+    """UlyssesSPAttentionHF (init, register_with_transformers, forward) and
+    UlyssesSPDataLoaderAdapter take DeepSpeed 0.19.8's parameters, names and defaults."""
+    root = str(Path(__file__).resolve().parents[2])
+    out = []
+    for ours in (True, False):
+        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        env.pop("SLIPSTREAM_AS_DEEPSPEED", None)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SIGNATURES.format(root=root, ours=ours)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert out[0] == out[1]
