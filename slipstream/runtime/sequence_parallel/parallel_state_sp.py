@@ -9,6 +9,7 @@ accepts it when the config's ``sequence_parallel_size`` equals P.
 from __future__ import annotations
 
 from slipstream.distributed import comm
+from slipstream.distributed.mesh import consecutive_group
 
 __all__ = [
     "get_model_parallel_group",
@@ -44,19 +45,17 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
     if _SIZE:
         return
     comm.init_distributed()
-    world, rank = comm.get_world_size(), comm.get_rank()
+    world = comm.get_world_size()
     if sequence_parallel_size <= 1 or world % sequence_parallel_size:
         raise ValueError(
             f"sequence_parallel_size={sequence_parallel_size} must be at least 2 and divide "
             f"the world size {world}"
         )
-    p = sequence_parallel_size
-    for start in range(0, world, p):  # every rank creates every group, in the same order
-        group = comm.new_group(list(range(start, start + p)))
-        if start <= rank < start + p:
-            _SEQUENCE_PARALLEL_GROUP = group
-    _SEQUENCE_DATA_PARALLEL_GROUP = comm.new_group(list(range(world)))
-    _SIZE = p
+    # The mesh's layout: ranks d*P .. d*P+P-1 share a sequence; the sequence-data-parallel
+    # group is the whole world (None, the default group).
+    _SEQUENCE_PARALLEL_GROUP = consecutive_group(sequence_parallel_size, axis="sp")
+    _SEQUENCE_DATA_PARALLEL_GROUP = None
+    _SIZE = sequence_parallel_size
 
 
 def _check() -> None:
