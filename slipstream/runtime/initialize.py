@@ -90,11 +90,13 @@ def initialize(
     if model is None:
         raise ValueError("initialize() needs model=: pass the nn.Module to train")
     refuse_real_deepspeed(model, optimizer, lr_scheduler)
-    if mpu is not None:
+    if mpu is not None and not _is_sequence_parallel_mpu(mpu):
         raise ValueError(
             "mpu= (a Megatron model-parallel unit) is not accepted: slipstream builds its own "
             "process groups from the config (tensor_parallel.autotp_size, a PipelineModule's "
-            "num_stages, sequence_parallel_size); remove mpu="
+            "num_stages, sequence_parallel_size); remove mpu= (the one mpu accepted is the "
+            "sequence-parallel groups module UlyssesSPAttentionHF.register_with_transformers "
+            "returns)"
         )
     config = _pick_config(args, config, config_params)
     if distributed_port is not None:
@@ -112,6 +114,8 @@ def initialize(
     # the mesh sizes in the same config decide.
     cfg = read_config(config, auto=_auto_context(model, client_opt))
     dims = _parallel_dims(cfg, model)
+    if mpu is not None:
+        _check_sp_mpu(mpu, dims.sp)
     mesh = build_mesh(dims)
     cfg = resolve_batch(cfg, dims.dp)
     group = dp_sp_group(mesh)  # ZeRO shards over every rank holding the same parameters
@@ -149,9 +153,12 @@ def initialize(
     loader = None
     if training_data is not None:
         if dims.sp > 1:  # the sp ranks of a dp rank read the same samples, keep their slice
-            from slipstream.sequence import SequenceShardCollate
+            from slipstream.sequence import SequenceShardCollate, shard_causal_lm_batch
+            from slipstream.sequence.hf import is_hf_attention_model
 
-            collate_fn = SequenceShardCollate(mesh.get_group("sp"), collate_fn)
+            # A Hugging Face causal LM: labels shifted on the full sequence, global positions.
+            shard = shard_causal_lm_batch if is_hf_attention_model(model) else None
+            collate_fn = SequenceShardCollate(mesh.get_group("sp"), collate_fn, shard=shard)
         loader = build_dataloader(
             training_data,
             cfg.batch[1],
@@ -228,6 +235,24 @@ def _parallel_dims(cfg: SlipstreamConfig, model: nn.Module) -> ParallelDims:
             "(tensor_parallel.sequence_parallel: true) or one of the two"
         )
     return ParallelDims(world_size=world, sp=sp, tp=tp, pp=stages)
+
+
+def _is_sequence_parallel_mpu(mpu: Any) -> bool:
+    from slipstream.runtime.sequence_parallel import parallel_state_sp
+
+    return mpu is parallel_state_sp
+
+
+def _check_sp_mpu(mpu: Any, sp: int) -> None:
+    """The groups of DeepSpeed's ALST entry point (``UlyssesSPAttentionHF.
+    register_with_transformers`` returns them as ``mpu``) must match the config's sp size."""
+    size = mpu.get_sequence_parallel_world_size()
+    if size != sp:
+        raise ConfigError(
+            f"mpu= holds sequence-parallel groups of size {size} (from "
+            f"register_with_transformers) but config key 'sequence_parallel_size' = {sp}: "
+            f"set sequence_parallel_size to {size}"
+        )
 
 
 def _place_(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -7,6 +7,9 @@
   collective each way per layer, no head constraint, K/V of the whole sequence in memory).
 * :func:`sequence_parallel_cross_entropy`: the global mean loss from sequence shards.
 * :class:`SequenceShardCollate` / :func:`shard_sequence`: each sp rank's slice of a batch.
+* :func:`install_hf_ulysses_` / :func:`shard_causal_lm_batch`: Ulysses for Hugging Face causal
+  LMs through transformers' attention registry, and the matching batch shard (labels shifted
+  on the full sequence, global position ids).
 * :func:`parallelize_sequence_`: apply a model's sequence-parallel plan (:class:`SPPlan`, which
   swaps in :class:`SequenceParallelAttention`, :class:`ShardedSequence` and
   :class:`SequenceParallelOutput`) or bind its ``DistributedAttention`` modules to a group
@@ -14,6 +17,7 @@
 """
 
 from slipstream.sequence.data import SequenceShardCollate, shard_sequence
+from slipstream.sequence.hf import install_hf_ulysses_, shard_causal_lm_batch
 from slipstream.sequence.loss import sequence_parallel_cross_entropy
 from slipstream.sequence.lss import double_average_gradients_, lss_attention
 from slipstream.sequence.modules import (
@@ -38,10 +42,12 @@ __all__ = [
     "ShardedSequence",
     "check_heads",
     "double_average_gradients_",
+    "install_hf_ulysses_",
     "lss_attention",
     "parallelize_sequence_",
     "sdpa_attention",
     "sequence_parallel_cross_entropy",
+    "shard_causal_lm_batch",
     "shard_sequence",
     "ulysses_attention",
 ]

@@ -46,6 +46,10 @@ class SequenceShardCollate:
 
     Every rank of one sp group reads the same samples (the sampler shards by data-parallel
     rank only), so the slices of the group together form the full batch.
+
+    ``shard``: how a collated batch is split, ``shard(batch, sp_world_size, sp_rank)``;
+    default :func:`shard_sequence` along ``seq_dim`` (a causal LM's dict batches use
+    :func:`slipstream.sequence.shard_causal_lm_batch`, which shifts labels first).
     """
 
     def __init__(
@@ -53,12 +57,16 @@ class SequenceShardCollate:
         sp_group: comm.Group,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         seq_dim: int = 1,
+        shard: Callable[[Any, int, int], Any] | None = None,
     ) -> None:
         self.sp_world_size = comm.get_world_size(sp_group)
         self.sp_rank = comm.get_rank(sp_group)
         self.collate_fn = collate_fn or default_collate
         self.seq_dim = seq_dim
+        self.shard = shard
 
     def __call__(self, samples: list[Any]) -> Any:
         batch = self.collate_fn(samples)
+        if self.shard is not None:
+            return self.shard(batch, self.sp_world_size, self.sp_rank)
         return shard_sequence(batch, self.sp_world_size, self.sp_rank, self.seq_dim)

@@ -1,10 +1,12 @@
 """Applying sequence parallelism to a model: ``parallelize_sequence_(model, sp_group)``.
 
-Two routes, both from outside the model. A model with a ``sp_plan(sp_group)`` method returns
+Three routes, all from outside the model. A model with a ``sp_plan(sp_group)`` method returns
 an :class:`SPPlan` (module name -> the sequence-parallel module replacing it; slipstream's
 GPT: ``slipstream.models.gpt_plans``), which is applied in place. A module of any model can
 instead take the group itself through ``set_sequence_parallel_group(group)``
-(:class:`~slipstream.sequence.DistributedAttention`, DeepSpeed's way).
+(:class:`~slipstream.sequence.DistributedAttention`, DeepSpeed's way). A Hugging Face model
+whose attention goes through transformers' attention registry gets Ulysses attention registered
+for it (:func:`~slipstream.sequence.hf.install_hf_ulysses_`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.sequence.hf import install_hf_ulysses_, is_hf_attention_model
 
 __all__ = ["SPPlan", "parallelize_sequence_"]
 
@@ -45,7 +48,9 @@ def parallelize_sequence_(model: nn.Module, sp_group: comm.Group) -> nn.Module:
     """Make ``model`` run on sequence segments sharded over ``sp_group``, in place.
 
     Every submodule with an ``sp_plan(sp_group)`` method has its plan applied; every
-    submodule with ``set_sequence_parallel_group(group)`` is bound to the group
+    submodule with ``set_sequence_parallel_group(group)`` is bound to the group; a Hugging
+    Face model using transformers' attention registry, where neither applies, gets Ulysses
+    attention, global positions and the sharded loss installed
     (``slipstream.initialize`` calls this when ``sequence_parallel_size > 1``).
 
     Raises:
@@ -72,11 +77,15 @@ def parallelize_sequence_(model: nn.Module, sp_group: comm.Group) -> nn.Module:
         if callable(setter):
             setter(sp_group)
             bound += 1
+    if bound == 0 and comm.get_world_size(sp_group) > 1 and is_hf_attention_model(model):
+        install_hf_ulysses_(model, sp_group)
+        bound += 1
     if bound == 0 and comm.get_world_size(sp_group) > 1:
         raise ValueError(
             f"sequence_parallel_size={comm.get_world_size(sp_group)} but "
             f"{type(model).__name__} has no sequence-parallel attention: build the reference "
             "GPT with GPTConfig(sequence_parallel='ulysses' or 'lss'), or route your attention "
-            "through slipstream.sequence.DistributedAttention"
+            "through slipstream.sequence.DistributedAttention (Hugging Face models using "
+            "transformers' attention registry are handled automatically)"
         )
     return model

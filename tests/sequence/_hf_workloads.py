@@ -1,0 +1,193 @@
+"""Rank bodies and single-process references for Ulysses on Hugging Face causal LMs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STEPS = 3
+SEQ = 16
+SAMPLES = 16
+BATCH = 4
+VOCAB = 64
+# SGD, not Adam: Adam is invariant to a constant gradient scale, which would hide P-fold errors.
+LR = 0.5
+
+# name -> (family, num_attention_heads, num_key_value_heads, attention implementation)
+MODELS = {
+    "llama_gqa2": ("llama", 4, 2, "sdpa"),
+    "llama_eager": ("llama", 4, 4, "eager"),
+    "qwen2_kv1": ("qwen2", 4, 1, "sdpa"),  # GQA with fewer KV heads than P=2: replicated
+    "llama_heads3": ("llama", 3, 3, "sdpa"),  # 3 heads over P=2: refused
+}
+
+
+def make_model(name: str) -> torch.nn.Module:
+    """A tiny fp32 LlamaForCausalLM / Qwen2ForCausalLM built from a config, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    family, heads, kv, attn = MODELS[name]
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=8 * heads,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen2ForCausalLM(Qwen2Config(**common))
+
+
+class LMData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Token rows whose labels are ignored (-100) on a varying prefix, so the sequence shards
+    hold different numbers of counted tokens (a mean of per-shard means would be wrong)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+        self.labels = self.ids.clone()
+        for i in range(SAMPLES):
+            self.labels[i, : (3 * i) % 11] = -100
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _config(stage: int, sp: int) -> dict[str, Any]:
+    return {
+        "train_batch_size": BATCH,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "sequence_parallel_size": sp,
+        "seed": 7,
+        "gradient_clipping": 0.0,
+    }
+
+
+def engine_run(name: str, stage: int) -> dict[str, Any]:
+    """SP = world through ``slipstream.initialize`` and the loader it builds."""
+    import slipstream
+
+    sp = dist.get_world_size()
+    model = make_model(name)
+    engine, _, loader, _ = slipstream.initialize(
+        model=model, config=_config(stage, sp), training_data=LMData()
+    )
+    losses, shapes, attn = [], set(), model.config._attn_implementation
+    for _, batch in zip(range(STEPS), loader):
+        shapes.add(tuple(batch["input_ids"].shape))
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "params": params, "shapes": sorted(shapes), "attn": attn}
+
+
+def refusal(name: str) -> str:
+    import slipstream
+
+    try:
+        slipstream.initialize(model=make_model(name), config=_config(0, dist.get_world_size()))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def world(runs: list[tuple[str, int]], refused: list[str]) -> dict[str, Any]:
+    return {
+        "training": {r: engine_run(*r) for r in runs},
+        "refused": {n: refusal(n) for n in refused},
+    }
+
+
+def reference_run(name: str) -> dict[str, Any]:
+    """One process, the whole batch, the sampler's order (seed 7), the model's own loss."""
+    model = make_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for batch in _global_batches()[:STEPS]:
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+# ------------------------------------------------------------------ DeepSpeed's ALST names
+def alst_run(name: str, stage: int) -> dict[str, Any]:
+    """DeepSpeed's ALST script shape: register, initialize(mpu=), the loader adapter, and the
+    loss from shift_labels weighted by each shard's token count (differentiable all-gather)."""
+    import torch.distributed.nn.functional as dist_fn
+
+    import slipstream
+    from slipstream.runtime.sequence_parallel.ulysses_sp import (
+        UlyssesSPAttentionHF,
+        UlyssesSPDataLoaderAdapter,
+    )
+
+    sp = dist.get_world_size()
+    model = make_model(name)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=sp,
+        micro_batch_size=BATCH,
+        seq_length_is_variable=True,
+    )
+    assert mpu is not None
+    engine, _, _, _ = slipstream.initialize(model=model, config=_config(stage, sp), mpu=mpu)
+    group, rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+    # Rank r reads global batches r, r+P, ...: the adapter serves them in global order.
+    batches = _global_batches()
+    mine = [batches[k] for k in range(rank, len(batches), sp)]
+    loader = UlyssesSPDataLoaderAdapter(mine, rank, group, sp, engine.device)
+    losses = []
+    for _, batch in zip(range(STEPS), loader):
+        shift_labels = batch.pop("shift_labels")
+        logits = engine(**batch).logits
+        local = engine.module.loss_function(
+            logits=logits, labels=None, shift_labels=shift_labels, vocab_size=VOCAB
+        )
+        good = (shift_labels != -100).sum()
+        per_rank = dist_fn.all_gather(local, group=group)
+        counts = [int(c) for c in dist_fn.all_gather(good, group=group)]
+        loss = sum(lo * c for lo, c in zip(per_rank, counts)) / sum(counts)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "params": params}
+
+
+def _global_batches() -> list[dict[str, torch.Tensor]]:
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(7)).tolist()
+    data = LMData()
+    out = []
+    for step in range(SAMPLES // BATCH):
+        idx = order[step * BATCH : (step + 1) * BATCH]
+        ids = torch.stack([data[i]["input_ids"] for i in idx])
+        labels = torch.stack([data[i]["labels"] for i in idx])
+        pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+        out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return out
+
+
+def alst_world(name: str, stage: int) -> dict[str, Any]:
+    return alst_run(name, stage)
