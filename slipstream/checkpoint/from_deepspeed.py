@@ -43,159 +43,32 @@ mixture-of-experts ``expert_*`` files.
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
-import pickle
 import re
-import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from slipstream.checkpoint.format import MANIFEST, CheckpointError
+from slipstream.checkpoint.deepspeed_files import (
+    _DS_STATE_KEYS,
+    _LAYER,
+    _OPTIM,
+    _UNIVERSAL_STATE,
+    _ZERO3_MODEL,
+    MODEL_STATES,
+    _Flat,
+    _Fragment,
+    _key,
+    _load,
+    _stage_of,
+    _StandIn,
+    is_deepspeed_tag,
+)
+from slipstream.checkpoint.format import CheckpointError
 
 __all__ = ["DeepSpeedReader", "check_optimizer", "is_deepspeed_tag"]
-
-MODEL_STATES = "mp_rank_00_model_states.pt"
-_UNIVERSAL_STATE = "optimizer_state.pt"
-_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_LAYER = re.compile(r"^layer_\d+-model_states\.pt$")
-# What DeepSpeed's load_checkpoint keeps out of the client state it returns (the rest of the
-# model-states dict is returned, DeepSpeed's own keys included, as DeepSpeed does).
-_DS_STATE_KEYS = (
-    "module",
-    "skipped_steps",
-    "global_steps",
-    "dp_world_size",
-    "mp_world_size",
-    "data_sampler",
-    "random_ltd",
-    "lr_scheduler",
-    "optimizer",
-)
-
-
-def is_deepspeed_tag(directory: Path) -> bool:
-    """Whether ``directory`` is a tag directory DeepSpeed wrote (and not a slipstream one)."""
-    if not directory.is_dir() or (directory / MANIFEST).is_file():
-        return False
-    return any(
-        n.endswith(("_model_states.pt", "-model_states.pt", "_optim_states.pt")) or n == "zero"
-        for n in os.listdir(directory)
-    )
-
-
-# ----------------------------------------------------------------------------- unpickling
-class _StandIn:
-    """A DeepSpeed object in a checkpoint pickle, kept as its constructor arguments and state
-    (``args``, attributes): enough to read the loss scaler, the stage enum and fragment
-    addresses without importing DeepSpeed."""
-
-    _ds_class = ""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots)
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-    @property
-    def value(self) -> Any:
-        """An enum member's value (``ZeroStageEnum(2)`` is pickled as a call with ``2``)."""
-        return self.args[0] if self.args else self.__dict__.get("_value_")
-
-
-_STAND_INS: dict[str, type] = {}
-
-
-def _stand_in(module: str, name: str) -> type:
-    key = f"{module}.{name}"
-    if key not in _STAND_INS:
-        _STAND_INS[key] = type(name, (_StandIn,), {"_ds_class": key})
-    return _STAND_INS[key]
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "deepspeed" or module.startswith("deepspeed."):
-            return _stand_in(module, name)
-        return super().find_class(module, name)
-
-
-_PICKLE = types.ModuleType("slipstream_deepspeed_pickle")
-_PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
-_PICKLE.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]
-
-
-def _load(path: Path) -> dict[str, Any]:
-    """One DeepSpeed file (memory-mapped), every failure a ``CheckpointError`` naming it."""
-    if not path.is_file():
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing")
-    try:
-        obj = torch.load(
-            path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_PICKLE
-        )
-    except Exception as e:  # a truncated zip, a foreign pickle: name the file
-        raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {e}") from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not DeepSpeed's state dict")
-    return obj
-
-
-def _key(obj: dict[str, Any], key: str, path: Path) -> Any:
-    if key not in obj:
-        raise CheckpointError(
-            f"DeepSpeed checkpoint file {path} has no key '{key}' (keys: {sorted(obj)[:12]}): "
-            "it was not written by DeepSpeed's ZeRO optimizer of a version slipstream reads "
-            "(0.10 or later)"
-        )
-    return obj[key]
-
-
-def _stage_of(value: Any) -> int:
-    return int(value.value if isinstance(value, _StandIn) else value)
-
-
-# ----------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class _Fragment:
-    """Elements ``[start, start + numel)`` of a parameter lie at ``local`` in rank ``rank``'s
-    flat space (its groups' tensors end to end)."""
-
-    rank: int
-    local: int
-    start: int
-    numel: int
-
-
-class _Flat:
-    """A rank's groups of one kind (fp32 master or one optimizer state) as one flat space:
-    ``bases[g]`` is where group ``g`` starts (tensors may be shorter than the space between
-    bases: DeepSpeed strips the tail padding of some)."""
-
-    def __init__(self, bases: list[int], tensors: list[torch.Tensor], what: str) -> None:
-        self.bases, self.tensors, self.what = bases, [t.reshape(-1) for t in tensors], what
-
-    def read(self, local: int, numel: int) -> torch.Tensor:
-        g = bisect.bisect_right(self.bases, local) - 1
-        offset = local - self.bases[g]
-        t = self.tensors[g]
-        if offset + numel > t.numel():
-            raise CheckpointError(
-                f"{self.what} holds {t.numel()} elements in group {g}, fewer than the "
-                f"{offset + numel} the parameter layout needs: the files do not belong together"
-            )
-        return t[offset : offset + numel]
 
 
 class DeepSpeedReader:
