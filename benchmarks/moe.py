@@ -253,7 +253,7 @@ def format_table(results: dict[str, list[FrameworkResult]], shape: Shape, cfg: B
             lines.append(f"{name:<15} {err}")
             continue
         row = ROWS[name]
-        peer = summaries.get(name.replace("ss-", "ds-", 1)) if row.framework == "ss" else None
+        peer = summaries.get("ds-" + name[3:]) if name.startswith("ss-") else None
         speed = f"{peer['step_ms'] / s['step_ms']:.2f}" if peer else "-"
         mem = f"{s['peak_mb'] / peer['peak_mb']:.2f}" if peer else "-"
         vs_dense = f"{s['step_ms'] / dense['step_ms']:.2f}" if dense and name != "dense" else "-"
