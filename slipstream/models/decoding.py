@@ -279,3 +279,32 @@ def decode(
     if req.streamer is not None:
         req.streamer.end()
     return torch.cat(steps, dim=1)
+
+
+def generate_gpt(
+    model: Any,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """:meth:`slipstream.models.gpt.GPT.generate` (its docstring says what it does): the
+    decode loop against the GPT's KV cache, then a sliding window past ``max_seq_len``."""
+    generation_request(input_ids, max_new_tokens, temperature, top_k, generator)  # checks
+    gpt_generation.check_generation_ready(model)
+    context = model.config.max_seq_len
+    fit = max(0, min(max_new_tokens, context - input_ids.shape[1]))
+    if (bad := ((input_ids < 0) | (input_ids >= model.config.vocab_size)).nonzero()).numel():
+        raise ValueError(f"generate: input_ids{(at := bad[0].tolist())} = {int(input_ids[tuple(at)])} is not a token "
+                         f"of this model (vocabulary of {model.config.vocab_size})")  # fmt: skip
+    ids = input_ids
+    if fit:
+        req = generation_request(ids, fit, temperature, top_k, generator)
+        ids = decode(model, req, GPT_DRIVER)
+    for _ in range(max_new_tokens - fit):
+        # Past the context: each token from the last max_seq_len tokens (a window).
+        req = generation_request(ids[:, -context:], 1, temperature, top_k, generator)
+        ids = torch.cat([ids, decode(model, req, GPT_DRIVER)[:, -1:]], 1)
+    # The loop runs under inference_mode; a copy can enter a training forward after.
+    return ids.clone()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +36,8 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
-from slipstream.models.decoding import GPT_DRIVER, decode, generation_request
-from slipstream.models.gpt_generation import (
-    cached_attention,
-    check_generation_ready,
-    forward_for_generation,
-)
+from slipstream.models.decoding import generate_gpt
+from slipstream.models.gpt_generation import cached_attention, forward_for_generation
 from slipstream.models.gpt_moe import (
     GPTMoEConfig,
     MoEFeedForward,
@@ -52,6 +47,7 @@ from slipstream.models.gpt_moe import (
     is_moe_block,
 )
 from slipstream.models.gpt_plans import gpt_sp_plan, gpt_tp_plan
+from slipstream.models.gpt_seams import CausalAttention, FullSequence, LMOutput, SequenceSpan
 from slipstream.models.kv_cache import KVCache, LayerKV
 from slipstream.moe.experts import register_grouped_expert
 from slipstream.parallel.recompute import DEFAULT_CONTEXT, RecomputeContext
@@ -232,59 +228,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [B, H, T, D] by position; ``cos``/``sin`` are [T, D]."""
     return x * cos + _rotate_half(x) * sin
-
-
-class CausalAttention(nn.Module):
-    """``softmax(q k^T / sqrt(D)) v`` with a causal mask over the local sequence: an
-    attention's core, which a sequence-parallel plan replaces.
-
-    ``forward(q, k, v)``: rotated queries ``[B, H, T, D]``, keys and values ``[B, kv, T, D]``
-    (each kv head serves ``H / kv`` consecutive query heads); returns ``[B, T, H, D]``.
-    """
-
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # GQA: each kv head serves n_rep consecutive query heads.
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        return y.transpose(1, 2)
-
-
-class SequenceSpan(Protocol):
-    """Where a model's input sits in the full sequence (the ``positions`` seam)."""
-
-    def span(self, length: int) -> tuple[int, int]:
-        """``(start, total)``: the input's first position and the full sequence length."""
-        ...
-
-
-class FullSequence(nn.Module):
-    """Where the input sits in the sequence: all of it, from position 0 (single device; a
-    sequence-parallel plan swaps in a sharded version)."""
-
-    def span(self, length: int) -> tuple[int, int]:
-        """``(start, total)``: the input's first position and the full sequence length."""
-        return 0, length
-
-
-class LMOutput(nn.Module):
-    """The model's last step: the logits when ``labels`` is None, else the mean token
-    cross-entropy in fp32 (-100 ignored). Parallel plans swap in versions for sharded logits."""
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if labels is None:
-            return logits
-        # fp32 upcast: a bf16 log-softmax over the vocabulary loses too much precision.
-        return F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-        )
 
 
 class Attention(nn.Module):
@@ -592,23 +535,7 @@ class GPT(nn.Module):
         Raises:
             ValueError: a negative count or temperature, or ``top_k`` < 1.
         """
-        generation_request(input_ids, max_new_tokens, temperature, top_k, generator)  # checks
-        check_generation_ready(self)
-        context = self.config.max_seq_len
-        fit = max(0, min(max_new_tokens, context - input_ids.shape[1]))
-        if (bad := ((input_ids < 0) | (input_ids >= self.config.vocab_size)).nonzero()).numel():
-            raise ValueError(f"generate: input_ids{(at := bad[0].tolist())} = {int(input_ids[tuple(at)])} is not a token "
-                             f"of this model (vocabulary of {self.config.vocab_size})")  # fmt: skip
-        ids = input_ids
-        if fit:
-            req = generation_request(ids, fit, temperature, top_k, generator)
-            ids = decode(self, req, GPT_DRIVER)
-        for _ in range(max_new_tokens - fit):
-            # Past the context: each token from the last max_seq_len tokens (a window).
-            req = generation_request(ids[:, -context:], 1, temperature, top_k, generator)
-            ids = torch.cat([ids, decode(self, req, GPT_DRIVER)[:, -1:]], 1)
-        # The loop runs under inference_mode; a copy can enter a training forward after.
-        return ids.clone()
+        return generate_gpt(self, input_ids, max_new_tokens, temperature, top_k, generator)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied matrix counts once).
