@@ -116,3 +116,24 @@ def test_alst_names_have_deepspeeds_signatures():
         assert proc.returncode == 0, proc.stderr[-2000:]
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert out[0] == out[1]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="Accelerate is not installed"
+)
+def test_hf_trainer_accelerate_ulysses_matches_single_process(tmp_path):
+    """The HF Trainer with Accelerate's ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    on slipstream (SLIPSTREAM_AS_DEEPSPEED=1: DeepSpeed's ALST names, initialize(mpu=),
+    deepspeed.utils.groups) logs the same 3 losses as a one-process Trainer (rtol 1e-5)."""
+    old = os.environ.get("SLIPSTREAM_AS_DEEPSPEED")
+    os.environ["SLIPSTREAM_AS_DEEPSPEED"] = "1"
+    try:
+        sp = run_world(w.trainer_losses, 2, str(tmp_path / "sp"), 2)
+        one = run_world(w.trainer_losses, 1, str(tmp_path / "one"), 1)[0]
+    finally:
+        os.environ.pop("SLIPSTREAM_AS_DEEPSPEED", None)
+        if old is not None:
+            os.environ["SLIPSTREAM_AS_DEEPSPEED"] = old
+    assert len(one) == w.STEPS
+    for rank in sp:
+        torch.testing.assert_close(torch.tensor(rank), torch.tensor(one), rtol=1e-5, atol=0)
