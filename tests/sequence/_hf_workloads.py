@@ -28,6 +28,18 @@ def make_model(name: str) -> torch.nn.Module:
     """A tiny fp32 LlamaForCausalLM / Qwen2ForCausalLM built from a config, seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    if name == "bert_mlm":  # not a causal LM: refused
+        from transformers import BertConfig, BertForMaskedLM
+
+        torch.manual_seed(0)
+        config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=48,
+        )
+        return BertForMaskedLM(config)
     family, heads, kv, attn = MODELS[name]
     common = dict(
         vocab_size=VOCAB,

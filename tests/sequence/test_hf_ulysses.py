@@ -20,7 +20,7 @@ from tests.sequence import _hf_workloads as w
 
 # (model, ZeRO stage) at SP=2 on 2 ranks.
 RUNS = [("llama_gqa2", 0), ("qwen2_kv1", 2), ("llama_eager", 3)]
-REFUSED = ["llama_heads3"]
+REFUSED = ["llama_heads3", "bert_mlm"]
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,15 @@ def test_hf_sp2_matches_single_process(world2):
 
 
 def test_heads_not_divisible_are_refused(world2):
-    """3 query heads over SP=2: the error names the model, the head counts and the fix."""
+    """3 query heads over SP=2: the error names the model, the head counts and the fix; a
+    model that is not a causal LM (BERT MLM) is refused, naming it."""
     for rank in world2:
         msg = rank["refused"]["llama_heads3"]
         assert "LlamaForCausalLM" in msg, msg
         assert "num_attention_heads=3" in msg and "num_key_value_heads=3" in msg, msg
         assert "sequence_parallel_size that divides 3" in msg, msg
+        msg = rank["refused"]["bert_mlm"]
+        assert "BertForMaskedLM" in msg and "causal LMs" in msg, msg
 
 
 def test_shard_causal_lm_batch_keeps_edge_targets():
