@@ -223,6 +223,20 @@ def _positions_hook(sp_group: comm.Group) -> Callable[..., Any]:
     return hook
 
 
+def _check_causal_lm(model: nn.Module) -> None:
+    """The loss and the label shift are a causal LM's: refuse other model classes."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    if name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        raise ValueError(
+            f"sequence_parallel_size > 1 with the Hugging Face model {name}: slipstream's "
+            "Ulysses for Hugging Face models covers causal LMs (the *ForCausalLM classes), "
+            "whose labels it shifts and whose loss it replaces. Set sequence_parallel_size to "
+            "1, or route the model's attention through slipstream.sequence.DistributedAttention"
+        )
+
+
 def install_hf_ulysses_(model: nn.Module, sp_group: comm.Group) -> str:
     """Make a transformers causal LM train on sequence shards over ``sp_group``, in place.
 
@@ -262,6 +276,7 @@ def install_hf_ulysses_(model: nn.Module, sp_group: comm.Group) -> str:
         # An ALST script registered Ulysses under this name already (and computes its loss
         # from shift_labels itself): nothing more to install.
         return str(core_name)
+    _check_causal_lm(model)
     if core_name == "eager":  # each modeling file has its own; looked up per call
         from transformers.models.llama.modeling_llama import eager_attention_forward
 

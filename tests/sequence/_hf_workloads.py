@@ -28,6 +28,18 @@ def make_model(name: str) -> torch.nn.Module:
     """A tiny fp32 LlamaForCausalLM / Qwen2ForCausalLM built from a config, seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    if name == "bert_mlm":  # not a causal LM: refused
+        from transformers import BertConfig, BertForMaskedLM
+
+        torch.manual_seed(0)
+        config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=48,
+        )
+        return BertForMaskedLM(config)
     family, heads, kv, attn = MODELS[name]
     common = dict(
         vocab_size=VOCAB,
@@ -191,3 +203,52 @@ def _global_batches() -> list[dict[str, torch.Tensor]]:
 
 def alst_world(name: str, stage: int) -> dict[str, Any]:
     return alst_run(name, stage)
+
+
+# ------------------------------------ the HF Trainer on Accelerate's DeepSpeed Ulysses path
+def trainer_losses(outdir: str, sp: int) -> list[float]:
+    """The Trainer with ``ParallelismConfig(sp_size=sp, sp_backend="deepspeed")`` (sp > 1;
+    Accelerate calls ``UlyssesSPAttentionHF.register_with_transformers``, passes ``mpu=`` and
+    wraps the loader in ``UlyssesSPDataLoaderAdapter``) or plain (sp == 1); SGD, 3 steps."""
+    from transformers import Trainer, TrainingArguments
+
+    extra: dict[str, Any] = {}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+    }
+    if sp > 1:
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        handler = DeepSpeedSequenceParallelConfig(
+            sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"
+        )
+        extra["parallelism_config"] = ParallelismConfig(
+            sp_size=sp, sp_backend="deepspeed", sp_handler=handler
+        )
+        cfg["sequence_parallel_size"] = sp
+    args = TrainingArguments(
+        output_dir=outdir,
+        deepspeed=cfg,
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        **extra,
+    )
+    data = [dict(LMData()[i], position_ids=torch.arange(SEQ)) for i in range(SAMPLES)]
+    trainer = Trainer(model=make_model("qwen2_kv1"), args=args, train_dataset=data)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]

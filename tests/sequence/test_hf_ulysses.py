@@ -20,7 +20,7 @@ from tests.sequence import _hf_workloads as w
 
 # (model, ZeRO stage) at SP=2 on 2 ranks.
 RUNS = [("llama_gqa2", 0), ("qwen2_kv1", 2), ("llama_eager", 3)]
-REFUSED = ["llama_heads3"]
+REFUSED = ["llama_heads3", "bert_mlm"]
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,15 @@ def test_hf_sp2_matches_single_process(world2):
 
 
 def test_heads_not_divisible_are_refused(world2):
-    """3 query heads over SP=2: the error names the model, the head counts and the fix."""
+    """3 query heads over SP=2: the error names the model, the head counts and the fix; a
+    model that is not a causal LM (BERT MLM) is refused, naming it."""
     for rank in world2:
         msg = rank["refused"]["llama_heads3"]
         assert "LlamaForCausalLM" in msg, msg
         assert "num_attention_heads=3" in msg and "num_key_value_heads=3" in msg, msg
         assert "sequence_parallel_size that divides 3" in msg, msg
+        msg = rank["refused"]["bert_mlm"]
+        assert "BertForMaskedLM" in msg and "causal LMs" in msg, msg
 
 
 def test_shard_causal_lm_batch_keeps_edge_targets():
@@ -116,3 +119,24 @@ def test_alst_names_have_deepspeeds_signatures():
         assert proc.returncode == 0, proc.stderr[-2000:]
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert out[0] == out[1]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="Accelerate is not installed"
+)
+def test_hf_trainer_accelerate_ulysses_matches_single_process(tmp_path):
+    """The HF Trainer with Accelerate's ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    on slipstream (SLIPSTREAM_AS_DEEPSPEED=1: DeepSpeed's ALST names, initialize(mpu=),
+    deepspeed.utils.groups) logs the same 3 losses as a one-process Trainer (rtol 1e-5)."""
+    old = os.environ.get("SLIPSTREAM_AS_DEEPSPEED")
+    os.environ["SLIPSTREAM_AS_DEEPSPEED"] = "1"
+    try:
+        sp = run_world(w.trainer_losses, 2, str(tmp_path / "sp"), 2)
+        one = run_world(w.trainer_losses, 1, str(tmp_path / "one"), 1)[0]
+    finally:
+        os.environ.pop("SLIPSTREAM_AS_DEEPSPEED", None)
+        if old is not None:
+            os.environ["SLIPSTREAM_AS_DEEPSPEED"] = old
+    assert len(one) == w.STEPS
+    for rank in sp:
+        torch.testing.assert_close(torch.tensor(rank), torch.tensor(one), rtol=1e-5, atol=0)
