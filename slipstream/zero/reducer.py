@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from slipstream.distributed import comm
+from slipstream.distributed import comm, quantized_comm
 from slipstream.zero.flat import Bucket
 
 __all__ = ["GradientListener", "GradientReducer", "ReducePolicy"]
@@ -259,7 +259,7 @@ class GradientReducer:
             out = self._accum[b_idx] if fresh and same else wire.new_empty(bucket.shard_numel)
             if self.policy.two_hop is not None and bucket.expert is None:
                 node_group, cross_group = self.policy.two_hop
-                comm.reduce_scatter_2hop_quantized(
+                quantized_comm.reduce_scatter_2hop_quantized(
                     out, wire, node_group, cross_group, 4, self.policy.grad_block, label=label
                 )
                 work = None

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from slipstream._logging import logger
 from slipstream.accelerator import get_accelerator
-from slipstream.distributed import comm
+from slipstream.distributed import comm, quantized_comm
 from slipstream.distributed.quantize import fit_block, quantize_blocks
 from slipstream.zero.flat import Bucket, Waitable
 from slipstream.zero.param import (
@@ -266,7 +266,7 @@ class ShardedStore:
             if source.device != flat.device:  # offload_param: the shard lives on the host
                 source = source.to(flat.device, non_blocking=True)
             if zpp.quantize:
-                work = comm.all_gather_quantized(
+                work = quantized_comm.all_gather_quantized(
                     flat, source, 8, zpp.block, group=group, async_op=True, label=label
                 )
             else:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.distributed import comm
+from slipstream.distributed import comm, quantized_comm
 from slipstream.distributed.topology import build_node_topology
 
 
@@ -27,7 +27,7 @@ def _two_hop(ranks_per_node: int, bits: int) -> dict[str, Any]:
     comm.reduce_scatter_tensor(ref, x.clone())
     out = torch.empty(chunk)
     comm.comm_counters.reset()
-    comm.reduce_scatter_2hop_quantized(
+    quantized_comm.reduce_scatter_2hop_quantized(
         out, x, topo.node_group, topo.cross_group, bits=bits, block=32
     )
     every = [torch.empty_like(x) for _ in range(world)]
@@ -49,7 +49,7 @@ def qwz_gather(ranks_per_node: int) -> dict[str, Any]:
     shard = torch.randn(320, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     full = torch.empty(320 * world, dtype=torch.bfloat16)
     comm.comm_counters.reset()
-    work = comm.all_gather_quantized(full, shard, bits=8, block=64, async_op=True)
+    work = quantized_comm.all_gather_quantized(full, shard, bits=8, block=64, async_op=True)
     work.wait()
     q_cross = comm.comm_counters.cross_node_bytes()
     exact = torch.empty_like(full)
