@@ -1,7 +1,7 @@
 """DeepSpeed's checkpoint files: their names, detection, and reading them without DeepSpeed.
 
 DeepSpeed pickles a few of its own classes into its checkpoint files (the loss scaler, the
-ZeRO stage enum, fragment addresses). ``load`` reads every file memory-mapped and turns those
+ZeRO stage enum, fragment addresses). ``load_file`` reads every file memory-mapped and turns those
 classes into plain stand-ins, so DeepSpeed need not be installed. ``Flat`` and ``Fragment``
 describe a rank's flat partition space, which ``from_deepspeed.DeepSpeedReader`` and
 ``to_deepspeed`` lay parameters out in.
@@ -23,13 +23,13 @@ import torch
 from slipstream.checkpoint.format import MANIFEST, CheckpointError
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
-_UNIVERSAL_STATE = "optimizer_state.pt"
-_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_LAYER = re.compile(r"^layer_\d+-model_states\.pt$")
+UNIVERSAL_STATE = "optimizer_state.pt"
+ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_\d+-model_states\.pt$")
 # What DeepSpeed's load_checkpoint keeps out of the client state it returns (the rest of the
 # model-states dict is returned, DeepSpeed's own keys included, as DeepSpeed does).
-_DS_STATE_KEYS = (
+DS_STATE_KEYS = (
     "module",
     "skipped_steps",
     "global_steps",
@@ -53,7 +53,7 @@ def is_deepspeed_tag(directory: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------- unpickling
-class _StandIn:
+class StandIn:
     """A DeepSpeed object in a checkpoint pickle, kept as its constructor arguments and state
     (``args``, attributes): enough to read the loss scaler, the stage enum and fragment
     addresses without importing DeepSpeed."""
@@ -84,7 +84,7 @@ _STAND_INS: dict[str, type] = {}
 def _stand_in(module: str, name: str) -> type:
     key = f"{module}.{name}"
     if key not in _STAND_INS:
-        _STAND_INS[key] = type(name, (_StandIn,), {"_ds_class": key})
+        _STAND_INS[key] = type(name, (StandIn,), {"_ds_class": key})
     return _STAND_INS[key]
 
 
@@ -100,7 +100,7 @@ _PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
 _PICKLE.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]
 
 
-def _load(path: Path) -> dict[str, Any]:
+def load_file(path: Path) -> dict[str, Any]:
     """One DeepSpeed file (memory-mapped), every failure a ``CheckpointError`` naming it."""
     if not path.is_file():
         raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing")
@@ -115,7 +115,7 @@ def _load(path: Path) -> dict[str, Any]:
     return obj
 
 
-def _key(obj: dict[str, Any], key: str, path: Path) -> Any:
+def require_key(obj: dict[str, Any], key: str, path: Path) -> Any:
     if key not in obj:
         raise CheckpointError(
             f"DeepSpeed checkpoint file {path} has no key '{key}' (keys: {sorted(obj)[:12]}): "
@@ -125,13 +125,13 @@ def _key(obj: dict[str, Any], key: str, path: Path) -> Any:
     return obj[key]
 
 
-def _stage_of(value: Any) -> int:
-    return int(value.value if isinstance(value, _StandIn) else value)
+def stage_of(value: Any) -> int:
+    return int(value.value if isinstance(value, StandIn) else value)
 
 
 # ----------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
-class _Fragment:
+class Fragment:
     """Elements ``[start, start + numel)`` of a parameter lie at ``local`` in rank ``rank``'s
     flat space (its groups' tensors end to end)."""
 
@@ -141,7 +141,7 @@ class _Fragment:
     numel: int
 
 
-class _Flat:
+class Flat:
     """A rank's groups of one kind (fp32 master or one optimizer state) as one flat space:
     ``bases[g]`` is where group ``g`` starts (tensors may be shorter than the space between
     bases: DeepSpeed strips the tail padding of some)."""

@@ -101,6 +101,28 @@ class LogicalReader(Protocol):
     def close(self) -> None: ...
 
 
+def checked_range(
+    reader: LogicalReader,
+    where: str,
+    tensor: str,
+    start: int,
+    stop: int | None,
+    out: torch.Tensor | None,
+) -> tuple[int, torch.Tensor]:
+    """A ``LogicalReader.read`` call's checks: ``tensor`` exists in ``reader`` (``where`` names the
+    checkpoint), ``[start, stop)`` lies inside it; returns the resolved ``stop`` and ``out``
+    (a new tensor of the stored dtype when the caller gave none)."""
+    if not reader.has(tensor):
+        raise CheckpointError(f"{where} holds no tensor '{tensor}'")
+    numel = reader.numel(tensor)
+    stop = numel if stop is None else stop
+    if not 0 <= start <= stop <= numel:
+        raise CheckpointError(f"range [{start}, {stop}) outside '{tensor}' of {numel} elements")
+    if out is None:
+        out = torch.empty(stop - start, dtype=reader.dtype(tensor))
+    return stop, out
+
+
 @dataclass(frozen=True)
 class Piece:
     """Elements ``[start, stop)`` of flattened logical tensor ``tensor``, stored in ``file``."""
@@ -324,14 +346,7 @@ class CheckpointReader:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Elements ``[start, stop)`` of flattened ``tensor`` (into ``out``, cast, if given)."""
-        if tensor not in self.tensors:
-            raise CheckpointError(f"{self.dir} holds no tensor '{tensor}'")
-        numel = self.numel(tensor)
-        stop = numel if stop is None else stop
-        if not 0 <= start <= stop <= numel:
-            raise CheckpointError(f"range [{start}, {stop}) outside '{tensor}' of {numel} elements")
-        if out is None:
-            out = torch.empty(stop - start, dtype=self.dtype(tensor))
+        stop, out = checked_range(self, str(self.dir), tensor, start, stop, out)
         covered = 0
         for piece in self.pieces.get(tensor, []):
             lo, hi = max(start, piece.start), min(stop, piece.stop)

@@ -52,21 +52,21 @@ from typing import Any
 import torch
 
 from slipstream.checkpoint.deepspeed_files import (
-    _DS_STATE_KEYS,
-    _LAYER,
-    _OPTIM,
-    _UNIVERSAL_STATE,
-    _ZERO3_MODEL,
+    DS_STATE_KEYS,
+    LAYER_FILE,
     MODEL_STATES,
-    _Flat,
-    _Fragment,
-    _key,
-    _load,
-    _stage_of,
-    _StandIn,
+    OPTIM_FILE,
+    UNIVERSAL_STATE,
+    ZERO3_MODEL_FILE,
+    Flat,
+    Fragment,
+    StandIn,
     is_deepspeed_tag,
+    load_file,
+    require_key,
+    stage_of,
 )
-from slipstream.checkpoint.format import CheckpointError
+from slipstream.checkpoint.format import CheckpointError, checked_range
 
 __all__ = ["DeepSpeedReader", "check_optimizer", "is_deepspeed_tag"]
 
@@ -84,15 +84,17 @@ class DeepSpeedReader:
         names = sorted(os.listdir(self.dir))
         self._refuse_unsupported(names)
         zero3_models = sorted(
-            (int(m.group(1)), n) for n in names if (m := _ZERO3_MODEL.match(n)) is not None
+            (int(m.group(1)), n) for n in names if (m := ZERO3_MODEL_FILE.match(n)) is not None
         )
-        optim = sorted((int(m.group(2)), n) for n in names if (m := _OPTIM.match(n)) is not None)
+        optim = sorted(
+            (int(m.group(2)), n) for n in names if (m := OPTIM_FILE.match(n)) is not None
+        )
         model_file = self.dir / (zero3_models[0][1] if zero3_models else MODEL_STATES)
-        self.model_states = _load(model_file)
+        self.model_states = load_file(model_file)
         self._model_file = model_file
         self._full: dict[str, torch.Tensor] = {}
-        self._frags: dict[str, tuple[str, list[_Fragment]]] = {}
-        self._flats: dict[tuple[int, str], _Flat] = {}
+        self._frags: dict[str, tuple[str, list[Fragment]]] = {}
+        self._flats: dict[tuple[int, str], Flat] = {}
         self.tensors: dict[str, dict[str, Any]] = {}
         self._scaler_state: Any = None  # the loss scaler (object or dict) where not in optim files
         ds_config = self.model_states.get("ds_config") or {}
@@ -116,7 +118,7 @@ class DeepSpeedReader:
             raise CheckpointError(f"{self.dir / name}: {why}; slipstream cannot read it. {fix}")
 
         for n in names:
-            if _LAYER.match(n):
+            if LAYER_FILE.match(n):
                 refuse(
                     n,
                     "a pipeline-parallel layer file (DeepSpeed's PipelineModule checkpoint)",
@@ -133,14 +135,14 @@ class DeepSpeedReader:
                     "with load_module_only",
                 )
         zero = self.dir / "zero"
-        if zero.is_dir() and not (zero / _UNIVERSAL_STATE).is_file():
+        if zero.is_dir() and not (zero / UNIVERSAL_STATE).is_file():
             refuse(
                 "zero",
-                f"a universal checkpoint folder without {_UNIVERSAL_STATE} (ds_to_universal did "
+                f"a universal checkpoint folder without {UNIVERSAL_STATE} (ds_to_universal did "
                 "not finish, or kept its per-TP-rank slices)",
                 "Run DeepSpeed's ds_to_universal.py on the ZeRO checkpoint again",
             )
-        if MODEL_STATES not in names and not any(_ZERO3_MODEL.match(n) for n in names):
+        if MODEL_STATES not in names and not any(ZERO3_MODEL_FILE.match(n) for n in names):
             raise CheckpointError(
                 f"{self.dir} has no {MODEL_STATES} (nor zero_pp_rank_*_mp_rank_00_model_states"
                 f".pt): not a complete DeepSpeed checkpoint (files: {names[:12]})"
@@ -151,16 +153,16 @@ class DeepSpeedReader:
         """``zero/<name>/{fp32,exp_avg,...,step}.pt``: every parameter's master and states
         whole (DeepSpeed's ds_to_universal merged the partitions), ``zero/optimizer_state.pt``
         the rest of the optimizer's state."""
-        path = self.dir / "zero" / _UNIVERSAL_STATE
-        common = _load(path)
-        stage = _stage_of(_key(common, "zero_stage", path))
-        groups = list(_key(common, "param_groups", path))
-        shapes = _key(self.model_states, "param_shapes", self._model_file)
+        path = self.dir / "zero" / UNIVERSAL_STATE
+        common = load_file(path)
+        stage = stage_of(require_key(common, "zero_stage", path))
+        groups = list(require_key(common, "param_groups", path))
+        shapes = require_key(self.model_states, "param_shapes", self._model_file)
         steps: list[dict[str, Any]] = []
         for group in shapes:
             for name in group:
                 folder = self.dir / "zero" / name
-                fp32 = _key(_load(folder / "fp32.pt"), "param", folder / "fp32.pt")
+                fp32 = require_key(load_file(folder / "fp32.pt"), "param", folder / "fp32.pt")
                 self._full[f"master/{name}"] = fp32
                 self._table(f"master/{name}", tuple(fp32.shape), torch.float32)
                 for state in sorted(folder.glob("*.pt")):
@@ -170,7 +172,7 @@ class DeepSpeedReader:
                     if key == "step":
                         steps.append({"step": torch.load(state, map_location="cpu")})
                         continue
-                    value = _key(_load(state), "param", state)
+                    value = require_key(load_file(state), "param", state)
                     self._full[f"optim/{key}/{name}"] = value
                     self._table(f"optim/{key}/{name}", tuple(value.shape), value.dtype)
         self._scaler_state = common.get("loss_scaler")
@@ -191,14 +193,14 @@ class DeepSpeedReader:
         osds = []
         for _, name in optim:
             path = self.dir / name
-            osds.append((path, _key(_load(path), "optimizer_state_dict", path)))
+            osds.append((path, require_key(load_file(path), "optimizer_state_dict", path)))
         first_path, first = osds[0]
         if "zero_stage" in first:
-            stage = _stage_of(first["zero_stage"])
+            stage = stage_of(first["zero_stage"])
         elif "single_partition_of_fp32_groups" in first:
             stage = 0  # DeepSpeed's BF16_Optimizer (bf16 without ZeRO): the stage-1 layout
         else:
-            _key(first, "zero_stage", first_path)
+            require_key(first, "zero_stage", first_path)
             stage = 0
         count = first.get("partition_count")
         counts = count if isinstance(count, list) else [count]
@@ -208,7 +210,7 @@ class DeepSpeedReader:
                 f"{self.dir} holds {world} optimizer files: files are missing or come from "
                 "different runs"
             )
-        shapes = _key(self.model_states, "param_shapes", self._model_file)
+        shapes = require_key(self.model_states, "param_shapes", self._model_file)
         if stage == 3:
             if len(zero3_models) != world:
                 raise CheckpointError(
@@ -226,8 +228,8 @@ class DeepSpeedReader:
         self, osds: list[tuple[Path, dict[str, Any]]], shapes: list[dict[str, Any]], world: int
     ) -> tuple[list[Any], list[dict[str, Any]]]:
         path0, osd0 = osds[0]
-        partitions = [_key(o, "single_partition_of_fp32_groups", p) for p, o in osds]
-        paddings = [_key(o, "group_paddings", p) for p, o in osds]
+        partitions = [require_key(o, "single_partition_of_fp32_groups", p) for p, o in osds]
+        paddings = [require_key(o, "group_paddings", p) for p, o in osds]
         align = osd0.get("param_alignment_paddings")
         if len(shapes) != len(partitions[0]):
             raise CheckpointError(
@@ -245,7 +247,7 @@ class DeepSpeedReader:
                     idx = offset + done
                     rank, local = divmod(idx, sizes[g])
                     n = min(numel - done, sizes[g] - local)
-                    frags.append(_Fragment(rank, bases[g] + local, done, n))
+                    frags.append(Fragment(rank, bases[g] + local, done, n))
                     done += n
                 self._add_trainable(name, tuple(shape), frags)
                 offset += numel + (int(align[g][j]) if align else 0)
@@ -255,12 +257,12 @@ class DeepSpeedReader:
                     f"{world} partitions in {self.dir} hold {sizes[g] * world}"
                 )
         for r, (path, _) in enumerate(osds):
-            self._flats[(r, "fp32")] = _Flat(bases, partitions[r], f"{path} fp32 partition")
+            self._flats[(r, "fp32")] = Flat(bases, partitions[r], f"{path} fp32 partition")
         base = [_base_state(o, p) for p, o in osds]
         for r, (path, _) in enumerate(osds):
             states = base[r][0]
             for key in _state_keys(states):
-                self._flats[(r, key)] = _Flat(bases, [s[key] for s in states], f"{path} '{key}'")
+                self._flats[(r, key)] = Flat(bases, [s[key] for s in states], f"{path} '{key}'")
         return base, base[0][1]
 
     def _layout_zero3(
@@ -272,7 +274,7 @@ class DeepSpeedReader:
                 numel = math.prod(shape)
                 per_rank = math.ceil(numel / world)
                 frags = [
-                    _Fragment(r, local, r * per_rank, min(per_rank, numel - r * per_rank))
+                    Fragment(r, local, r * per_rank, min(per_rank, numel - r * per_rank))
                     for r in range(world)
                     if r * per_rank < numel
                 ]
@@ -280,17 +282,17 @@ class DeepSpeedReader:
                 local += per_rank
         base = [_base_state(o, p) for p, o in osds]
         for r, (path, osd) in enumerate(osds):
-            flat = _key(osd, "fp32_flat_groups", path)
+            flat = require_key(osd, "fp32_flat_groups", path)
             bases = [sum(int(t.numel()) for t in flat[:g]) for g in range(len(flat))]
             if bases[-1] + int(flat[-1].numel()) < local:
                 raise CheckpointError(
                     f"{path} holds {bases[-1] + int(flat[-1].numel())} fp32 elements, fewer "
                     f"than the {local} that 'param_shapes' of {self._model_file} needs"
                 )
-            self._flats[(r, "fp32")] = _Flat(bases, flat, f"{path} fp32_flat_groups")
+            self._flats[(r, "fp32")] = Flat(bases, flat, f"{path} fp32_flat_groups")
             states = base[r][0]
             for key in _state_keys(states):
-                self._flats[(r, key)] = _Flat(bases, [s[key] for s in states], f"{path} '{key}'")
+                self._flats[(r, key)] = Flat(bases, [s[key] for s in states], f"{path} '{key}'")
         return base, base[0][1]
 
     def _read_zero3_frozen(self, models: list[tuple[int, str]], world: int) -> None:
@@ -298,7 +300,8 @@ class DeepSpeedReader:
         if not shapes:
             return
         per_rank = [
-            _key(_load(self.dir / n), "frozen_param_fragments", self.dir / n) for _, n in models
+            require_key(load_file(self.dir / n), "frozen_param_fragments", self.dir / n)
+            for _, n in models
         ]
         for name, shape in shapes.items():
             numel = math.prod(shape)
@@ -307,7 +310,7 @@ class DeepSpeedReader:
             self._full[f"model/{name}"] = full
             self._table(f"model/{name}", tuple(shape), full.dtype)
 
-    def _add_trainable(self, name: str, shape: tuple[int, ...], frags: list[_Fragment]) -> None:
+    def _add_trainable(self, name: str, shape: tuple[int, ...], frags: list[Fragment]) -> None:
         self._frags[f"master/{name}"] = ("fp32", frags)
         self._table(f"master/{name}", shape, torch.float32)
 
@@ -373,7 +376,7 @@ class DeepSpeedReader:
 
     # ------------------------------------------------------------ module, manifest
     def _read_module(self, stage: int) -> None:
-        module = _key(self.model_states, "module", self._model_file)
+        module = require_key(self.model_states, "module", self._model_file)
         if module is None:
             raise CheckpointError(
                 f"{self._model_file} key 'module' is None: a pipeline-parallel checkpoint "
@@ -403,7 +406,7 @@ class DeepSpeedReader:
         groups: list[dict[str, Any]],
     ) -> dict[str, Any]:
         ms, path = self.model_states, self._model_file
-        steps = int(_key(ms, "global_steps", path))
+        steps = int(require_key(ms, "global_steps", path))
         gas = int(self.ds_config.get("gradient_accumulation_steps") or 1)
         hparams = [
             {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
@@ -431,8 +434,8 @@ class DeepSpeedReader:
     def _loss_scaler(self, optim: list[tuple[int, str]]) -> dict[str, Any] | None:
         scaler = self._scaler_state
         if scaler is None and optim:
-            scaler = _load(self.dir / optim[0][1])["optimizer_state_dict"].get("loss_scaler")
-        state = vars(scaler) if isinstance(scaler, _StandIn) else scaler
+            scaler = load_file(self.dir / optim[0][1])["optimizer_state_dict"].get("loss_scaler")
+        state = vars(scaler) if isinstance(scaler, StandIn) else scaler
         if not isinstance(state, dict) or "cur_scale" not in state:
             return None
         return {
@@ -459,7 +462,7 @@ class DeepSpeedReader:
         ms = self.model_states
         return {
             "lr_scheduler": ms.get("lr_scheduler"),
-            "client_state": {k: v for k, v in ms.items() if k not in _DS_STATE_KEYS},
+            "client_state": {k: v for k, v in ms.items() if k not in DS_STATE_KEYS},
         }
 
     def has(self, tensor: str) -> bool:
@@ -487,14 +490,9 @@ class DeepSpeedReader:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Elements ``[start, stop)`` of flattened ``tensor`` (into ``out``, cast, if given)."""
-        if tensor not in self.tensors:
-            raise CheckpointError(f"DeepSpeed checkpoint {self.dir} holds no tensor '{tensor}'")
-        numel = self.numel(tensor)
-        stop = numel if stop is None else stop
-        if not 0 <= start <= stop <= numel:
-            raise CheckpointError(f"range [{start}, {stop}) outside '{tensor}' of {numel} elements")
-        if out is None:
-            out = torch.empty(stop - start, dtype=self.dtype(tensor))
+        stop, out = checked_range(
+            self, f"DeepSpeed checkpoint {self.dir}", tensor, start, stop, out
+        )
         if tensor in self._full:
             out.copy_(self._full[tensor].reshape(-1)[start:stop])
             return out
@@ -553,7 +551,7 @@ def _stage0_masters(sd: dict[str, Any], path: Path) -> list[torch.Tensor]:
     ``fp32_groups``) or one flat tensor per group (the fused one's ``fp32_groups_flat``)."""
     if "fp32_groups" in sd:
         return [t for group in sd["fp32_groups"] for t in group]
-    return list(_key(sd, "fp32_groups_flat", path))
+    return list(require_key(sd, "fp32_groups_flat", path))
 
 
 def _base_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -565,8 +563,8 @@ def _base_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], 
             states = [dict(s, step=s.get("step", step)) for s in base]
             return states, [{} for _ in base]
     else:
-        base = _key(osd, "optimizer_state_dict", path)
-    state, groups = _key(base, "state", path), _key(base, "param_groups", path)
+        base = require_key(osd, "optimizer_state_dict", path)
+    state, groups = require_key(base, "state", path), require_key(base, "param_groups", path)
     ids = [i for g in groups for i in g["params"]]
     return [state.get(i, {}) for i in ids], groups
 
