@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import zlib
@@ -99,28 +100,6 @@ class LogicalReader(Protocol):
     ) -> torch.Tensor: ...
     def read_full(self, tensor: str) -> torch.Tensor: ...
     def close(self) -> None: ...
-
-
-def checked_range(
-    reader: LogicalReader,
-    where: str,
-    tensor: str,
-    start: int,
-    stop: int | None,
-    out: torch.Tensor | None,
-) -> tuple[int, torch.Tensor]:
-    """A ``LogicalReader.read`` call's checks: ``tensor`` exists in ``reader`` (``where`` names the
-    checkpoint), ``[start, stop)`` lies inside it; returns the resolved ``stop`` and ``out``
-    (a new tensor of the stored dtype when the caller gave none)."""
-    if not reader.has(tensor):
-        raise CheckpointError(f"{where} holds no tensor '{tensor}'")
-    numel = reader.numel(tensor)
-    stop = numel if stop is None else stop
-    if not 0 <= start <= stop <= numel:
-        raise CheckpointError(f"range [{start}, {stop}) outside '{tensor}' of {numel} elements")
-    if out is None:
-        out = torch.empty(stop - start, dtype=reader.dtype(tensor))
-    return stop, out
 
 
 @dataclass(frozen=True)
@@ -246,7 +225,58 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-class CheckpointReader:
+class TensorTable:
+    """The table half of a ``LogicalReader``: ``tensors`` maps each logical tensor's name to
+    its ``shape`` and ``dtype`` name; ``read`` checks the name and the range (``where`` names
+    the checkpoint in the error) before ``_read_into`` fills the range. ``CheckpointReader``
+    and ``from_deepspeed.DeepSpeedReader`` differ only in where the elements come from."""
+
+    tensors: dict[str, dict[str, Any]]
+    where: str
+
+    def has(self, tensor: str) -> bool:
+        return tensor in self.tensors
+
+    def names(self, kind: str) -> list[str]:
+        prefix = kind + "/"
+        return [t.removeprefix(prefix) for t in self.tensors if t.startswith(prefix)]
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        return tuple(self.tensors[tensor]["shape"])
+
+    def dtype(self, tensor: str) -> torch.dtype:
+        return dtype_from_name(self.tensors[tensor]["dtype"])
+
+    def numel(self, tensor: str) -> int:
+        return math.prod(self.shape(tensor))
+
+    def read(
+        self,
+        tensor: str,
+        start: int = 0,
+        stop: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of flattened ``tensor`` (into ``out``, cast, if given)."""
+        if tensor not in self.tensors:
+            raise CheckpointError(f"{self.where} holds no tensor '{tensor}'")
+        numel = self.numel(tensor)
+        stop = numel if stop is None else stop
+        if not 0 <= start <= stop <= numel:
+            raise CheckpointError(f"range [{start}, {stop}) outside '{tensor}' of {numel} elements")
+        if out is None:
+            out = torch.empty(stop - start, dtype=self.dtype(tensor))
+        self._read_into(tensor, start, stop, out)
+        return out
+
+    def _read_into(self, tensor: str, start: int, stop: int, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def read_full(self, tensor: str) -> torch.Tensor:
+        return self.read(tensor).reshape(self.shape(tensor))
+
+
+class CheckpointReader(TensorTable):
     """Reads ranges of logical tensors from a committed checkpoint, verifying each file once.
 
     Every file is checked against the manifest's size and CRC-32 before its first read: a
@@ -258,7 +288,8 @@ class CheckpointReader:
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         self.manifest: dict[str, Any] = read_manifest(self.dir / MANIFEST)
-        self.tensors: dict[str, dict[str, Any]] = self.manifest["tensors"]
+        self.tensors = self.manifest["tensors"]
+        self.where = f"checkpoint {self.dir}"
         self.pieces: dict[str, list[Piece]] = {}
         for entry in self.manifest["pieces"]:
             piece = Piece(*entry)
@@ -319,34 +350,7 @@ class CheckpointReader:
         return self._handles[name]
 
     # ---------------------------------------------------------------- tensors
-    def has(self, tensor: str) -> bool:
-        return tensor in self.tensors
-
-    def names(self, kind: str) -> list[str]:
-        prefix = kind + "/"
-        return [t.removeprefix(prefix) for t in self.tensors if t.startswith(prefix)]
-
-    def shape(self, tensor: str) -> tuple[int, ...]:
-        return tuple(self.tensors[tensor]["shape"])
-
-    def dtype(self, tensor: str) -> torch.dtype:
-        return dtype_from_name(self.tensors[tensor]["dtype"])
-
-    def numel(self, tensor: str) -> int:
-        n = 1
-        for d in self.shape(tensor):
-            n *= d
-        return n
-
-    def read(
-        self,
-        tensor: str,
-        start: int = 0,
-        stop: int | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Elements ``[start, stop)`` of flattened ``tensor`` (into ``out``, cast, if given)."""
-        stop, out = checked_range(self, str(self.dir), tensor, start, stop, out)
+    def _read_into(self, tensor: str, start: int, stop: int, out: torch.Tensor) -> None:
         covered = 0
         for piece in self.pieces.get(tensor, []):
             lo, hi = max(start, piece.start), min(stop, piece.stop)
@@ -360,10 +364,6 @@ class CheckpointReader:
                 f"checkpoint {self.dir} covers only {covered} of elements [{start}, {stop}) of "
                 f"'{tensor}': pieces are missing (was a rank's file replaced?)"
             )
-        return out
-
-    def read_full(self, tensor: str) -> torch.Tensor:
-        return self.read(tensor).reshape(self.shape(tensor))
 
     def close(self) -> None:
         for handle in self._handles.values():

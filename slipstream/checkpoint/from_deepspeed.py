@@ -66,12 +66,12 @@ from slipstream.checkpoint.deepspeed_files import (
     require_key,
     stage_of,
 )
-from slipstream.checkpoint.format import CheckpointError, checked_range
+from slipstream.checkpoint.format import CheckpointError, TensorTable, dtype_name
 
 __all__ = ["DeepSpeedReader", "check_optimizer", "is_deepspeed_tag"]
 
 
-class DeepSpeedReader:
+class DeepSpeedReader(TensorTable):
     """A DeepSpeed tag directory through ``CheckpointReader``'s reading interface.
 
     Raises:
@@ -95,7 +95,8 @@ class DeepSpeedReader:
         self._full: dict[str, torch.Tensor] = {}
         self._frags: dict[str, tuple[str, list[Fragment]]] = {}
         self._flats: dict[tuple[int, str], Flat] = {}
-        self.tensors: dict[str, dict[str, Any]] = {}
+        self.tensors = {}
+        self.where = f"DeepSpeed checkpoint {self.dir}"
         self._scaler_state: Any = None  # the loss scaler (object or dict) where not in optim files
         ds_config = self.model_states.get("ds_config") or {}
         self.ds_config: dict[str, Any] = ds_config if isinstance(ds_config, dict) else {}
@@ -447,7 +448,7 @@ class DeepSpeedReader:
 
     # ------------------------------------------------------------ CheckpointReader's interface
     def _table(self, tensor: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.tensors[tensor] = {"shape": list(shape), "dtype": dtype}
+        self.tensors[tensor] = {"shape": list(shape), "dtype": dtype_name(dtype)}
 
     def verify_share(self, rank: int, world: int) -> None:
         """Every file was opened (and its pickle read) in the constructor."""
@@ -465,47 +466,16 @@ class DeepSpeedReader:
             "client_state": {k: v for k, v in ms.items() if k not in DS_STATE_KEYS},
         }
 
-    def has(self, tensor: str) -> bool:
-        return tensor in self.tensors
-
-    def names(self, kind: str) -> list[str]:
-        prefix = kind + "/"
-        return [t.removeprefix(prefix) for t in self.tensors if t.startswith(prefix)]
-
-    def shape(self, tensor: str) -> tuple[int, ...]:
-        return tuple(self.tensors[tensor]["shape"])
-
-    def dtype(self, tensor: str) -> torch.dtype:
-        dtype: torch.dtype = self.tensors[tensor]["dtype"]
-        return dtype
-
-    def numel(self, tensor: str) -> int:
-        return math.prod(self.shape(tensor))
-
-    def read(
-        self,
-        tensor: str,
-        start: int = 0,
-        stop: int | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Elements ``[start, stop)`` of flattened ``tensor`` (into ``out``, cast, if given)."""
-        stop, out = checked_range(
-            self, f"DeepSpeed checkpoint {self.dir}", tensor, start, stop, out
-        )
+    def _read_into(self, tensor: str, start: int, stop: int, out: torch.Tensor) -> None:
         if tensor in self._full:
             out.copy_(self._full[tensor].reshape(-1)[start:stop])
-            return out
+            return
         kind, frags = self._frags[tensor]
         for f in frags:
             lo, hi = max(start, f.start), min(stop, f.start + f.numel)
             if lo < hi:
                 part = self._flats[(f.rank, kind)].read(f.local + lo - f.start, hi - lo)
                 out[lo - start : hi - start].copy_(part)
-        return out
-
-    def read_full(self, tensor: str) -> torch.Tensor:
-        return self.read(tensor).reshape(self.shape(tensor))
 
     def close(self) -> None:
         self._full.clear()
