@@ -23,7 +23,8 @@ finalization, C++ static destructors), about 10x less CPU per cycle on a loaded 
 made the abort likelier); ``--cores`` lets the ranks write core dumps (``ulimit -c``) into
 each failing cycle's directory under ``--keep`` (read one with ``gdb python core`` and
 ``thread apply all bt``); a rank still running at ``--timeout`` (fork mode) has every
-thread's stack saved by gdb first. The summary prints the counts per variant, the seconds per cycle
+thread's state (/proc), Python stacks (faulthandler, into its log) and native stacks (gdb)
+saved first. The summary prints the counts per variant, the seconds per cycle
 and the load average before and after.
 """
 
@@ -46,8 +47,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = """
-import atexit, os, sys, time, torch
+import atexit, faulthandler, os, signal, sys, time, torch
 import slipstream
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the soak asks a hung rank for stacks
 from slipstream.models import GPT, GPTConfig
 
 directory, variant, cycle = sys.argv[-3], sys.argv[-2], int(sys.argv[-1])
@@ -142,17 +145,51 @@ def _fork_cycle(
     return first, _logs(work)
 
 
+def _proc_threads(pid: int) -> str:
+    """Each thread's name, state, kernel wait channel and current system call from /proc:
+    cheap and without ptrace, so it works when gdb cannot attach in time on a loaded machine."""
+    lines = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        fields = []
+        for name in ("comm", "wchan", "syscall"):
+            try:
+                fields.append(Path(f"/proc/{pid}/task/{tid}/{name}").read_text().strip())
+            except OSError as err:
+                fields.append(f"({name}: {err.strerror})")
+        try:
+            state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        lines.append(
+            f"thread {tid} {fields[0]!r} state {state} wchan {fields[1]} syscall {fields[2]}"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _dump_stacks(pid: int, out: Path) -> None:
-    """Every thread's native stack of a hung rank (gdb, when installed), before it is killed."""
+    """Every thread of a hung rank before it is killed: /proc's view of each thread, then its
+    native stack (gdb, when installed; 600 s, since attaching takes minutes under load)."""
+    try:
+        text = _proc_threads(pid)
+    except OSError as err:
+        text = f"/proc/{pid}: {err}\n"
+    out.write_text(text)
+    # Then Python's stacks into the rank's log (faulthandler, registered by the script; after
+    # interpreter finalization SIGUSR1 ends the process instead, hence /proc's view first).
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)
+    except ProcessLookupError:
+        return
     gdb = shutil.which("gdb")
     if gdb is None:
         return
     cmd = [gdb, "-batch", "-p", str(pid), "-ex", "thread apply all bt 30"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        out.write_text(done.stdout + done.stderr)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        out.write_text(text + done.stdout + done.stderr)
     except (OSError, subprocess.TimeoutExpired) as err:
-        out.write_text(f"gdb failed: {err}")
+        out.write_text(text + f"gdb failed: {err}")
 
 
 def _logs(work: Path) -> str:
