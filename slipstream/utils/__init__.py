@@ -18,8 +18,11 @@ from slipstream.utils.tensor_fragment import (
 from slipstream.zero import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
     unset_z3_leaf_modules,
     z3_leaf_module,
+    z3_leaf_parameter,
 )
 
 __all__ = [
@@ -35,3 +38,4 @@ __all__ = [
     "set_z3_leaf_modules",
 ]
 __all__ += ["get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]
+__all__ += ["set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "z3_leaf_parameter"]
