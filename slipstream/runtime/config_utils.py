@@ -82,6 +82,7 @@ class DeepSpeedConfigModel(BaseModel):
                 f"Cannot provide deprecated parameter '{name}' and replacing parameter "
                 f"'{new_field}' together"
             )
+        delattr(self, name)  # the replaced field leaves the model, as in DeepSpeed
         setattr(owner, leaf, value)
 
 

@@ -66,7 +66,9 @@ def _mark_classes(
 ) -> list[nn.Module]:
     if not all(isinstance(c, type | str) for c in classes):
         raise TypeError(f"leaf module classes must be classes or class names, got {classes}")
-    marked = [m for m in model.modules() if any(_class_matches(m, c) for c in classes)]
+    marked: list[nn.Module] = []
+    # Children before parents (``Module.apply``'s order), as DeepSpeed returns them.
+    model.apply(lambda m: marked.append(m) if any(_class_matches(m, c) for c in classes) else None)
     for m in marked:
         set_z3_leaf_module(m, flag)
     if not marked and raise_if_not_found:
