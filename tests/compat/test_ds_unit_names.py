@@ -244,3 +244,23 @@ def test_core_lists_and_trim_mean() -> None:
             parse_range_list(bad)
     data = [3.0, 1.0, 2.0, 100.0, 0.0]
     assert trim_mean(data, 0.2) == 2.0 and data == [3.0, 1.0, 2.0, 100.0, 0.0]
+
+
+def test_leaf_module_block_marks_units_at_stage_3() -> None:
+    from slipstream.config import parse_config
+    from slipstream.zero.units import unit_modules
+
+    cfg = parse_config(
+        {
+            "train_batch_size": 1,
+            "zero_optimization": {"stage": 3, "leaf_module": {"names": "block", "classes": []}},
+        }
+    )
+    assert cfg.zero_optimization.leaf_module.names == ["block"]
+    model = _Outer()
+    marked = our_leaf.apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
+    assert marked == [model.block]
+    assert any(m is model.block for _, m in unit_modules(model))
+    assert not any(m is model.block for _, m in unit_modules(_Outer()))
+    with pytest.raises(Exception, match="leaf_module"):
+        parse_config({"train_batch_size": 1, "zero_optimization": {"leaf_module": {"x": 1}}})
