@@ -13,6 +13,7 @@ from slipstream.utils.tensor_fragment import (
     safe_get_full_grad,
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
 )
 from slipstream.zero import (
@@ -34,6 +35,7 @@ __all__ = [
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "set_z3_leaf_modules",
 ]

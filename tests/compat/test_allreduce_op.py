@@ -1,5 +1,6 @@
 """``gradient_allreduce_op``: "sum" adds the data-parallel gradients where "mean" (the default)
-averages them, as DeepSpeed's option does; the combinations DeepSpeed refuses are refused."""
+averages them, as DeepSpeed's option does; the combinations DeepSpeed refuses are refused.
+The same world checks ``safe_set_full_grad``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ def test_sum_is_world_size_times_mean_at_stages_0_and_2() -> None:
         summed = torch.tensor(r0[f"{stage}-sum"])
         torch.testing.assert_close(summed, 2 * mean, rtol=1e-6, atol=1e-6)
         assert r0[f"{stage}-sum"] == pytest.approx(r1[f"{stage}-sum"])  # ranks agree
+    # safe_set_full_grad (same world): the step applies the gradient set, on both ranks.
+    want = [-v / 10 for v in range(6)]
+    for r in (r0, r1):
+        assert r["set_grad_delta"] == pytest.approx(want, abs=1e-6)
+        assert r["set_grad_read"] == pytest.approx([v / 10 for v in range(6)], abs=1e-6)
 
 
 @pytest.mark.parametrize(
