@@ -9,12 +9,30 @@ import torch
 from slipstream._logging import logger
 from slipstream.accelerator.torch_accelerator import TorchAccelerator
 
-__all__ = ["SUPPORTED", "get_accelerator", "is_current_accelerator_supported", "set_accelerator"]
+__all__ = [
+    "SUPPORTED",
+    "get_accelerator",
+    "is_current_accelerator_supported",
+    "refuse_device",
+    "set_accelerator",
+]
 
 SUPPORTED = ("cuda", "cpu")
 """Device types slipstream runs on; DeepSpeed's others (xpu, npu, hpu, mps, mlu) are refused."""
 
 _current: TorchAccelerator | None = None
+
+
+def refuse_device(name: str) -> None:
+    """Raise the error for a device type slipstream does not run on.
+
+    Raises:
+        ValueError: always, naming ``name`` and the supported types.
+    """
+    raise ValueError(
+        f"accelerator {name!r}: slipstream runs on {' or '.join(SUPPORTED)} only; set "
+        "DS_ACCELERATOR=cpu, or unset it to pick CUDA when present, else the CPU"
+    )
 
 
 def _detect() -> str:

@@ -225,9 +225,10 @@ class TorchAccelerator:
         is no device to copy to)."""
         return tensor.pin_memory() if self._cuda else tensor
 
-    def unpin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A pageable copy of a page-locked tensor; any other tensor as it is."""
-        return tensor.to("cpu", copy=True) if self.is_pinned(tensor) else tensor
+    def unpin_memory(self, tensor: torch.Tensor) -> None:
+        """Nothing to do, as in DeepSpeed with its default (torch) pinning backend: torch frees
+        page-locked memory when the tensor is collected. Returns None, as DeepSpeed does."""
+        return None
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return bool(tensor.is_pinned()) if self._cuda else False

@@ -206,6 +206,28 @@ def _first_frame_outside_config() -> int:
     return level
 
 
+def _check_sum_reduction(raw: dict[str, Any]) -> None:
+    """Refuse ``gradient_allreduce_op: "sum"`` where DeepSpeed does, with its reasons."""
+    op = raw.get("gradient_allreduce_op")
+    if not (isinstance(op, str) and op.lower() == "sum"):
+        return
+    zero = raw.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    compile_block = raw.get("compile")
+    if zero.get("stage") == 3:
+        where = "ZeRO stage 3"
+    elif zero.get("zenflow") is not None:
+        where = "ZenFlow"
+    elif isinstance(compile_block, dict) and compile_block.get("deepcompile"):
+        where = "DeepCompile"
+    else:
+        return
+    raise ConfigError(
+        f"config key 'gradient_allreduce_op' = {op!r} is not supported with {where} (DeepSpeed "
+        "refuses the same combination): use 'mean'"
+    )
+
+
 def _strip_not_yet_implemented(raw: dict[str, Any]) -> None:
     """Drop known-but-unimplemented blocks that are disabled; reject enabled ones."""
     for key, reason in NOT_YET_IMPLEMENTED.items():
@@ -374,6 +396,7 @@ def read_config(
         raw = load_config(config)
     ctx = auto or AutoContext()
     _apply_aliases(raw)
+    _check_sum_reduction(raw)
     _strip_not_yet_implemented(raw)
     _drop_null_monitors(raw)
     _drop_keys_deepspeed_ignores(raw)

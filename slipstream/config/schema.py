@@ -171,6 +171,19 @@ class SlipstreamConfig(StrictModel):
     """Divide gradients by ``gradient_predivide_factor`` before reduction."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
     """Pre-division factor (the rest of 1/world is applied after reduction)."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """How data-parallel gradients combine: "mean" (DeepSpeed's default) or "sum", any case.
+    "sum" is refused at ZeRO stage 3 (as by DeepSpeed), with MoE experts and with sequence
+    parallelism."""
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op(cls, value: object) -> object:
+        op = value.lower() if isinstance(value, str) else value
+        if op not in ("mean", "sum"):
+            raise ValueError(f"Invalid gradient_allreduce_op {value!r}: use 'mean' or 'sum'")
+        return op
+
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """dtype of gradient reductions (None: the gradient accumulation dtype)."""
     sparse_gradients: bool = False

@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
+from slipstream._logging import logger
 from slipstream.config._base import StrictModel
 
-__all__ = ["OffloadConfig", "ZeroConfig"]
+__all__ = ["LeafModuleConfig", "OffloadConfig", "ZeroConfig"]
+
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+"""DeepSpeed's default ZeRO-3 leaf classes: Hugging Face's sparse MoE blocks."""
+
+
+class LeafModuleConfig(StrictModel):
+    """``zero_optimization.leaf_module``: modules gathered as one ZeRO-3 unit, by class
+    (name or ``module.Class``), by module name or by name suffix. A single string is a list of
+    one; duplicates are dropped. Stage 3 marks them at ``initialize``."""
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    """Class names (``Class`` or ``module.Class``); DeepSpeed's default names HF MoE blocks."""
+    names: list[str] = Field(default_factory=list)
+    """``named_modules()`` names."""
+    name_suffixes: list[str] = Field(default_factory=list)
+    """Suffixes of ``named_modules()`` names."""
+
+    @field_validator("classes", "names", "name_suffixes", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return list(dict.fromkeys(value))
+        return value
 
 
 class OffloadConfig(StrictModel):
@@ -152,6 +182,18 @@ class ZeroConfig(StrictModel):
     """Accepted for compatibility; slipstream's prefetch never warns about trace caches."""
     enable_sanity_checks: bool = False
     """Extra cross-rank consistency checks."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Stage 3: modules gathered as one unit (see ``LeafModuleConfig``)."""
+
+    @model_validator(mode="after")
+    def _elastic_checkpoint_note(self) -> ZeroConfig:
+        if self.stage == 3 and self.elastic_checkpoint:
+            logger.warning(
+                "zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is "
+                "deprecated in DeepSpeed; slipstream's checkpoints reshard to any world size "
+                "and stage, so the key has no effect"
+            )
+        return self
 
     @property
     def overlap(self) -> bool:

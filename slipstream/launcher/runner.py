@@ -14,13 +14,20 @@ MPI and SLURM launchers); ``--no_ssh_check`` is accepted: slipstream runs no ssh
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import logging
+import re
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 from slipstream.cli.launcher import DEEPSPEED_ENVIRONMENT_NAME, DEFAULT_HOSTFILE
 from slipstream.cli.main import main as slipstream_main
 
 __all__ = ["DEEPSPEED_ENVIRONMENT_NAME", "main", "parse_args", "run_argv"]
+__all__ += ["encode_world_info", "fetch_hostfile", "parse_inclusion_exclusion"]
+__all__ += ["parse_node_config", "parse_node_config_list", "parse_resource_filter"]
 
 _LAUNCHERS = ("ssh", "pdsh")  # DeepSpeed also has openmpi, mpich, impi, mvapich, slurm
 
@@ -29,7 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deepspeed",
         description="DeepSpeed's launcher flags, run by slipstream's launcher (slipstream run)",
-        allow_abbrev=False,
     )
     p.add_argument("-H", "--hostfile", default=None,
                    help=f"'hostname slots=N' per line (default {DEFAULT_HOSTFILE} if it exists)")  # fmt: skip
@@ -136,8 +142,18 @@ def run_argv(ns: argparse.Namespace) -> list[str]:
 
 def main(args: list[str] | None = None) -> None:
     """The ``deepspeed`` command: launch ``user_script`` with slipstream's launcher; exits
-    with the failing rank's exit code, as DeepSpeed's does."""
+    with the failing rank's exit code, as DeepSpeed's does.
+
+    Raises:
+        ValueError: ``--num_nodes``/``--num_gpus`` together with ``--include``/``--exclude``
+            (DeepSpeed refuses the mix the same way).
+    """
     ns = parse_args(args)
+    if (ns.num_nodes >= 0 or ns.num_gpus >= 0) and (ns.include or ns.exclude):
+        raise ValueError(
+            "Cannot specify num_nodes/gpus with include/exclude: pick the hosts and slots with "
+            "-i/-e, or count them with --num_nodes/--num_gpus"
+        )
     refused = _refusals(ns)
     if refused:
         _parser().error("; ".join(refused))
@@ -146,3 +162,99 @@ def main(args: list[str] | None = None) -> None:
     code = slipstream_main(run_argv(ns))
     if code:
         sys.exit(code)
+
+
+# DeepSpeed's hostfile and resource-filter helpers, with its semantics (``ValueError`` on bad
+# input; a host named twice in a filter merges its slots; a filter may leave nothing).
+# slipstream's own launcher (slipstream.cli._hostfile) reads the same syntax more strictly.
+
+_HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
+
+
+def _parse_hostfile(hostfile_lines: list[str]) -> dict[str, int]:
+    """``{host: slots}`` from hostfile lines (``#`` comments and blank lines skipped).
+
+    Raises:
+        ValueError: a malformed line, a host listed twice, or no host at all.
+    """
+    pool: dict[str, int] = {}
+    for raw in hostfile_lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _HOSTFILE_LINE.search(line)
+        if match is None:
+            raise ValueError(f"Hostfile contains a bad entry: {line!r}; expected 'host slots=N'")
+        host = match.group(1)
+        if host in pool:
+            raise ValueError(f"Hostfile contains multiple entries for {host}")
+        pool[host] = int(match.group(2))
+    if not pool:
+        raise ValueError("Hostfile is empty or not formatted correctly ('host slots=N' lines)")
+    return pool
+
+
+def fetch_hostfile(hostfile_path: str | None) -> dict[str, int] | None:
+    """The hostfile's ``{host: slots}``, or None when the file does not exist."""
+    if not hostfile_path or not Path(hostfile_path).is_file():
+        return None
+    return _parse_hostfile(Path(hostfile_path).read_text().splitlines())
+
+
+def parse_node_config(node_config: str) -> tuple[str, list[int]]:
+    """``"host:0,2"`` is ``("host", [0, 2])``; ``"host"`` is ``("host", [])`` (all slots)."""
+    if ":" not in node_config:
+        return node_config, []
+    host, slots = node_config.split(":")
+    return host, [int(x) for x in slots.split(",")]
+
+
+def parse_node_config_list(node_config_list: str) -> dict[str, list[int]]:
+    """``"a:0@b@a:1"`` is ``{"a": [0, 1], "b": []}``: ``@``-separated, slots merged, sorted."""
+    merged: dict[str, set[int]] = {}
+    for node_config in node_config_list.split("@"):
+        host, slots = parse_node_config(node_config)
+        merged.setdefault(host, set()).update(slots)
+    return {host: sorted(slots) for host, slots in merged.items()}
+
+
+def parse_resource_filter(
+    host_info: Mapping[str, list[int]], include_str: str = "", exclude_str: str = ""
+) -> dict[str, list[int]]:
+    """``host_info`` ({host: slots}) filtered by ``-i``/``-e`` syntax (``NODE[:SLOT,...]``
+    joined by ``@``), hosts in ``host_info``'s order; hosts left with no slot are dropped.
+
+    Raises:
+        ValueError: both filters, an unknown host or slot, or a malformed filter.
+    """
+    if include_str and exclude_str:
+        raise ValueError("include_str and exclude_str are mutually exclusive")
+    if not include_str and not exclude_str:
+        return dict(host_info)
+    including = bool(include_str)
+    chosen: dict[str, list[int]] = {} if including else {h: list(s) for h, s in host_info.items()}
+    for host, slots in parse_node_config_list(include_str or exclude_str).items():
+        if host not in host_info:
+            raise ValueError(f"Hostname '{host}' not found in hostfile")
+        for slot in slots:
+            if slot not in host_info[host]:
+                raise ValueError(f"No slot '{slot}' specified on host '{host}'")
+        if including:
+            chosen[host] = list(slots) if slots else list(host_info[host])
+        else:
+            chosen[host] = [s for s in chosen[host] if s not in slots] if slots else []
+    return {host: list(dict.fromkeys(chosen[host])) for host in host_info if chosen.get(host)}
+
+
+def parse_inclusion_exclusion(
+    resource_pool: Mapping[str, int], inclusion: str, exclusion: str
+) -> dict[str, list[int]]:
+    """The active ``{host: slots}`` of a ``{host: slot count}`` pool after ``-i``/``-e``."""
+    configs = parse_node_config_list(inclusion) if inclusion else {}
+    active = {h: configs.get(h) or list(range(n)) for h, n in resource_pool.items()}
+    return parse_resource_filter(active, include_str=inclusion, exclude_str=exclusion)
+
+
+def encode_world_info(world_info: Mapping[str, object]) -> str:
+    """``world_info`` as URL-safe base64 JSON (the launcher's ``--world_info``)."""
+    return base64.urlsafe_b64encode(json.dumps(world_info).encode("utf-8")).decode("utf-8")

@@ -164,7 +164,7 @@ class WarmupLR(_BatchScheduler):
 
     ``lr = min + (max - min) * gamma``, ``gamma = log(it + 1) / log(N)`` (``log``) or
     ``it / N`` (``linear``) while ``it < N``, else 1; ``N = max(2, warmup_num_steps)``.
-    ``warmup_max_lr=None`` takes the first param group's lr (DeepSpeed >= 0.16 behaviour).
+    ``warmup_max_lr=None`` takes each param group's own lr (DeepSpeed 0.19.8).
     """
 
     def __init__(
@@ -179,8 +179,8 @@ class WarmupLR(_BatchScheduler):
         _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
         n = len(optimizer.param_groups)
-        if warmup_max_lr is None:
-            warmup_max_lr = float(optimizer.param_groups[0]["lr"])
+        if warmup_max_lr is None:  # each group warms up to its own lr
+            warmup_max_lr = [float(g["lr"]) for g in optimizer.param_groups]
         self.min_lrs = _per_group(warmup_min_lr, n, "warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, n, "warmup_max_lr")
         self.warmup_num_steps = max(2, warmup_num_steps)
@@ -335,8 +335,8 @@ class OneCycle(_BatchScheduler):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
@@ -344,12 +344,19 @@ class OneCycle(_BatchScheduler):
             raise ConfigError(
                 f"scheduler.params.cycle_first_step_size must be > 0, got {cycle_first_step_size}"
             )
+        if cycle_second_step_size is not None and cycle_second_step_size < 0:
+            raise ConfigError(
+                "scheduler.params.cycle_second_step_size must be >= 0, got "
+                f"{cycle_second_step_size}"
+            )
         super().__init__(optimizer, last_batch_iteration)
         n = len(optimizer.param_groups)
         self.first_step_size = float(cycle_first_step_size)
         second = cycle_second_step_size
         self.second_step_size = self.first_step_size if second is None else float(second)
         self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size
+        """Share of the cycle spent climbing (DeepSpeed's attribute)."""
         self.first_stair_count = cycle_first_stair_count
         stairs2 = cycle_second_stair_count
         self.second_stair_count = cycle_first_stair_count if stairs2 is None else stairs2
@@ -357,13 +364,13 @@ class OneCycle(_BatchScheduler):
         self.min_lrs = _per_group(cycle_min_lr, n, "cycle_min_lr")
         self.max_lrs = _per_group(cycle_max_lr, n, "cycle_max_lr")
         self.decay_lr_rate = decay_lr_rate
-        self.min_mom = cycle_min_mom
-        self.max_mom = cycle_max_mom
+        self.min_moms = _per_group(cycle_min_mom, n, "cycle_min_mom")
+        self.max_moms = _per_group(cycle_max_mom, n, "cycle_max_mom")
         self.decay_mom_rate = decay_mom_rate
         self.cycle_momentum = cycle_momentum and self._groups_have_betas()
         self._start()
         if self.cycle_momentum and last_batch_iteration == -1:
-            self._write_beta1(cycle_min_mom)
+            self._write_beta1(self.min_moms)
 
     def _groups_have_betas(self) -> bool:
         if all("betas" in g for g in self.optimizer.param_groups):
@@ -374,9 +381,9 @@ class OneCycle(_BatchScheduler):
         )
         return False
 
-    def _write_beta1(self, beta1: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["betas"] = (beta1, group["betas"][1])
+    def _write_beta1(self, beta1: Sequence[float]) -> None:
+        for group, b1 in zip(self.optimizer.param_groups, beta1, strict=True):
+            group["betas"] = (b1, group["betas"][1])
 
     def _decay_intervals(self) -> float:
         return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
@@ -402,15 +409,18 @@ class OneCycle(_BatchScheduler):
         factor = 1.0 + self.decay_lr_rate * self._decay_intervals()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> float | None:
-        """``beta1`` at ``last_batch_iteration``, or None when momentum is not cycled."""
+    def get_mom(self) -> list[float] | None:
+        """Each group's ``beta1`` at ``last_batch_iteration``, or None when momentum is not
+        cycled."""
         if not self.cycle_momentum:
             return None
         if self.last_batch_iteration < self.total_size:
-            return self.max_mom - (self.max_mom - self.min_mom) * self._scale()
+            scale = self._scale()
+            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
         if self.decay_step_size == 0 or self.decay_mom_rate == 0:
-            return self.max_mom
-        return self.max_mom * (1.0 + self.decay_mom_rate * self._decay_intervals())
+            return list(self.max_moms)
+        factor = 1.0 + self.decay_mom_rate * self._decay_intervals()
+        return [hi * factor for hi in self.max_moms]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         """Advance one batch: write the lr and, when cycling momentum, each group's beta1."""

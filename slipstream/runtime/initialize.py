@@ -43,6 +43,7 @@ from slipstream.zero.init import (
     partition_meta_,
     unpartition_,
 )
+from slipstream.zero.leaf_modules import apply_leaf_module_config
 from slipstream.zero.param import check_not_foreign, full_shape
 
 __all__ = ["initialize"]
@@ -114,6 +115,11 @@ def initialize(
     # the mesh sizes in the same config decide.
     cfg = read_config(config, auto=_auto_context(model, client_opt))
     dims = _parallel_dims(cfg, model)
+    if cfg.gradient_allreduce_op == "sum" and dims.sp > 1:
+        raise ConfigError(
+            "config key 'gradient_allreduce_op' = 'sum' is not supported with "
+            f"sequence_parallel_size = {dims.sp}: use 'mean'"
+        )
     if mpu is not None:
         _check_sp_mpu(mpu, dims.sp)
     mesh = build_mesh(dims)
@@ -135,6 +141,8 @@ def initialize(
     experts = expert_parallel_(model, mesh) if moe_layers(model) else None
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
     zero_opt: ZeroOptimizer | None = None
+    if cfg.zero_optimization.stage == 3:  # before the model is cut into units
+        apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
     if make_optimizer is not None:
         zero_opt = shard_zero_(
             model,
@@ -289,6 +297,7 @@ def _step_policy(cfg: SlipstreamConfig, mesh: DeviceMesh, device: torch.device) 
         pin_memory=bool(off is not None and off.pin_memory),
         tp_group=axis_group(mesh, "tp"),
         pp_group=axis_group(mesh, "pp"),
+        gradient_average=cfg.gradient_allreduce_op == "mean",
     )
 
 

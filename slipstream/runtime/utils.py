@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import gc
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from slipstream._logging import log_rank0
 from slipstream.accelerator import get_accelerator
-from slipstream.parallel.pipeline.module import partition_balanced, partition_uniform
+from slipstream.parallel.pipeline.instructions import call_to_str
+from slipstream.runtime.partition_utils import (
+    PartitionedTensor,
+    partition_balanced,
+    partition_uniform,
+    prefix_sum_inc,
+)
 
 __all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
 __all__ += ["partition_balanced", "partition_uniform"]  # DeepSpeed's pipeline cut rules
+__all__ += ["PartitionedTensor", "call_to_str", "count_used_parameters_in_backward"]
+__all__ += ["prefix_sum_inc"]
 
 _GIB = 1024**3
 
@@ -83,3 +91,30 @@ def move_to_device(
     if isinstance(item, torch.Tensor):
         return item.to(device)
     return item
+
+
+def count_used_parameters_in_backward(parameters: Sequence[torch.Tensor]) -> int:
+    """How many of ``parameters`` the running backward pass will produce a gradient for.
+
+    Call it from inside a backward hook (DeepSpeed's helper, for hooks that must know when
+    the last gradient of a step arrived). Parameters that need no gradient, or whose
+    gradient node this backward does not reach, are not counted; parameters sharing one
+    node count once.
+
+    Raises:
+        RuntimeError: called outside a backward pass.
+    """
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+    if torch._C._current_graph_task_id() == -1:
+        raise RuntimeError("count_used_parameters_in_backward must be called during backward")
+    nodes: dict[int, Any] = {}
+    for p in parameters:
+        if not isinstance(p, torch.Tensor) or not p.requires_grad:
+            continue
+        # Hooks run with grad mode off; the accumulator lookup of a leaf needs it on.
+        with torch.enable_grad():
+            node = _get_grad_fn_or_grad_acc(p)
+        if node is not None:
+            nodes.setdefault(id(node), node)
+    return sum(bool(torch._C._will_engine_execute_node(n)) for n in nodes.values())

@@ -13,13 +13,17 @@ from slipstream.utils.tensor_fragment import (
     safe_get_full_grad,
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
 )
 from slipstream.zero import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
     unset_z3_leaf_modules,
     z3_leaf_module,
+    z3_leaf_parameter,
 )
 
 __all__ = [
@@ -31,7 +35,9 @@ __all__ = [
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "set_z3_leaf_modules",
 ]
 __all__ += ["get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]
+__all__ += ["set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "z3_leaf_parameter"]

@@ -26,6 +26,7 @@ __all__ = [
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
 ]
 
@@ -129,6 +130,33 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
         held = bucket.param_slice(i, *shard.held)
         if held:
             shard.params[held.at(shard.held[0])] = flat[held.param]
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace ``param``'s reduced gradient with ``value`` (its full shape, in the gradient
+    accumulation dtype) after ``engine.backward`` at an accumulation boundary, before
+    ``engine.step``: the step then applies ``value``. Every rank writes its own piece from
+    the same ``value`` (no communication), as with DeepSpeed's.
+
+    Raises:
+        ValueError: ``param`` is not updated by a ZeRO optimizer, or ``value`` has another shape.
+    """
+    found = owner_of(param)
+    if found is None:
+        raise ValueError(
+            f"safe_set_full_grad: this parameter (shape {tuple(param.shape)}) is not updated "
+            "by a ZeRO optimizer (frozen, or called before initialize); set its .grad directly"
+        )
+    opt, b, i = found
+    opt.finish_backward()
+    grad = opt.owned_grad(b)
+    bucket = opt.buckets[b]
+    flat = _checked(value, bucket.shapes[i], "safe_set_full_grad").reshape(-1)
+    lo, hi = opt.owned_range(b)
+    mine = bucket.param_slice(i, lo, hi)
+    if mine:
+        with torch.no_grad():
+            grad[mine.at(lo)] = flat[mine.param].to(grad.dtype)
 
 
 def safe_set_full_optimizer_state(

@@ -11,6 +11,11 @@ from slipstream.zero.gathered import (
     unregister_external_parameter,
 )
 from slipstream.zero.init import Init, materialize_
+from slipstream.zero.leaf_modules import (
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    z3_leaf_parameter,
+)
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param import ZeroParamStatus, is_zero_param
 from slipstream.zero.policies import StepPolicy
@@ -37,3 +42,4 @@ __all__ = [
     "unregister_external_parameter",
 ]
 __all__ += ["get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]
+__all__ += ["set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "z3_leaf_parameter"]

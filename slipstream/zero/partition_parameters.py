@@ -23,8 +23,10 @@ from slipstream.zero.param import ZeroParamStatus
 __all__ = [
     "GatheredParameters",
     "Init",
+    "MultipleAllGatherHandles",
     "ZeroParamStatus",
     "get_accelerator",
+    "partitioned_param_data_shape",
     "register_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
@@ -41,3 +43,19 @@ def zero_wrapper_for_fp_tensor_constructor(
 ) -> Callable[..., torch.Tensor]:
     """``fn`` itself: slipstream's ``Init`` leaves tensor constructors alone."""
     return fn
+
+
+partitioned_param_data_shape = [0]
+"""The shape DeepSpeed gives a partitioned parameter's ``.data`` (an empty tensor)."""
+
+
+class MultipleAllGatherHandles:
+    """Waits on several all-gather handles as one (DeepSpeed's), passing
+    ``handle_dependency`` to each by keyword."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)

@@ -46,6 +46,7 @@ class StepPolicy:
         pp_group: pipeline group: each stage holds different parameters, so the norm sums
             over it (parameters placed as duplicates, e.g. the second copy of a tied
             weight, are left out).
+        gradient_average: see the field.
     """
 
     loss_scaler: LossScaler
@@ -60,6 +61,9 @@ class StepPolicy:
     pin_memory: bool = False
     tp_group: comm.Group = None
     pp_group: comm.Group = None
+    gradient_average: bool = True
+    """Average gradients over the data-parallel ranks (``gradient_allreduce_op: "mean"``);
+    false sums them (``"sum"``)."""
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class ReducePolicy:
     all-to-alls. The data-parallel group must be the whole world, node-major."""
     grad_block: int = 512
     """qgZ quantization block (elements)."""
+    average: bool = True
+    """Divide the reduced gradients by the data-parallel size (false: keep the sum)."""
 
 
 MAX_IN_FLIGHT = 2
@@ -289,7 +291,7 @@ class GradientReducer:
         b_idx = pending.bucket.index
         # Expert buckets too: their sum over the expert-data-parallel group, divided by the
         # whole data-parallel size, is the global-batch mean (see slipstream.moe.plan).
-        post = self.policy.predivide_factor / self.dp_size
+        post = self.policy.predivide_factor / (self.dp_size if self.policy.average else 1)
         accum = self._accum[b_idx]
         if self.policy.partition_grads:
             if pending.out is accum:

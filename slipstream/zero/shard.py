@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from slipstream._logging import log_rank0
+from slipstream.config import ConfigError
 from slipstream.config.zero import ZeroConfig
 from slipstream.distributed import comm
 from slipstream.distributed.expert import ExpertGroups
@@ -82,6 +83,11 @@ def shard_zero_(
     orphans = [n for p, n in names.items() if p.requires_grad and p not in trainable]
     if orphans:
         log_rank0("parameters not in any optimizer param group are not trained: %s", orphans[:8])
+    if not step.gradient_average and experts is not None:
+        raise ConfigError(
+            "config key 'gradient_allreduce_op' = 'sum' is not supported with MoE expert layers "
+            "(their gradients are averaged over the expert-data-parallel ranks): use 'mean'"
+        )
     if cfg.stage == 3:
         _refuse_expert_parallel_stage3(experts)
         layout = _shard_units(model, groups, names, dp_group, cfg, device)
@@ -97,6 +103,7 @@ def shard_zero_(
         ignore_unused=cfg.ignore_unused_parameters,
         two_hop=layout.two_hop,
         grad_block=cfg.zero_quantized_gradients_block_size,
+        average=step.gradient_average,
     )
     reducer = GradientReducer(
         layout.buckets, dp_group, policy, shard_grads=cfg.stage >= 1, listener=layout.listener

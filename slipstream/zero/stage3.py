@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.zero._deepspeed_classes import DeepSpeedZeroOptimizer_Stage3
 from slipstream.zero.init_shards import InitShards, init_owner
 from slipstream.zero.param import INIT_OWNER_ATTR, mark_partitioned_, unmark_
 from slipstream.zero.policies import Stage3Options
@@ -48,6 +49,7 @@ from slipstream.zero.units import Unit, plan_units, set_z3_leaf_modules
 from slipstream.zero.zeropp import ZeroPPWeights
 
 __all__ = [
+    "DeepSpeedZeroOptimizer_Stage3",
     "ShardedStore",
     "Stage3Options",
     "Unit",

@@ -19,6 +19,12 @@ import torch
 from torch import nn
 
 from slipstream.zero.flat import Bucket, make_bucket
+from slipstream.zero.leaf_modules import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 from slipstream.zero.param import EXTERNAL_ATTR
 from slipstream.zero.zeropp import FrozenInt8
 
@@ -31,43 +37,6 @@ __all__ = [
     "unset_z3_leaf_modules",
     "z3_leaf_module",
 ]
-
-_LEAF_ATTR = "_slipstream_z3_leaf"
-
-
-def set_z3_leaf_modules(
-    model: nn.Module, leaf_classes: Sequence[type[nn.Module]]
-) -> list[nn.Module]:
-    """Gather every module of these classes (e.g. a mixture-of-experts block) as one unit.
-
-    Call before ``initialize``. Returns the modules marked.
-    """
-    marked = [m for m in model.modules() if isinstance(m, tuple(leaf_classes))]
-    for m in marked:
-        setattr(m, _LEAF_ATTR, True)
-    return marked
-
-
-def unset_z3_leaf_modules(
-    model: nn.Module, leaf_classes: Sequence[type[nn.Module]]
-) -> list[nn.Module]:
-    """Undo :func:`set_z3_leaf_modules` for these classes (before ``initialize``); returns
-    the modules unmarked."""
-    marked = [m for m in model.modules() if isinstance(m, tuple(leaf_classes))]
-    for m in marked:
-        if hasattr(m, _LEAF_ATTR):
-            delattr(m, _LEAF_ATTR)
-    return marked
-
-
-def z3_leaf_module(module: nn.Module) -> bool:
-    """Whether ``module`` is marked to be gathered as one ZeRO-3 unit."""
-    return bool(getattr(module, _LEAF_ATTR, False))
-
-
-def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
-    """The marked modules of ``model``, in ``modules()`` order."""
-    return [m for m in model.modules() if z3_leaf_module(m)]
 
 
 @dataclass
@@ -115,7 +84,7 @@ def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if callable(own):
         units.extend(own())
     for name, mod in model.named_modules():
-        if name and getattr(mod, _LEAF_ATTR, False):
+        if name and z3_leaf_module(mod):
             units.append((name, mod))
         if isinstance(mod, nn.ModuleList):
             units.extend((f"{name}.{i}" if name else str(i), child) for i, child in enumerate(mod))

@@ -144,4 +144,4 @@ def test_leaf_module_marks_and_optim_file_order(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=r"_optim_states\.pt"):
         get_optim_files(tmp_path / "missing")
     t = torch.ones(3)
-    assert get_accelerator().unpin_memory(t) is t
+    assert get_accelerator().unpin_memory(t) is None  # DeepSpeed's torch backend: a no-op

@@ -1,0 +1,16 @@
+"""``deepspeed.accelerator.sdaa_accelerator``: DeepSpeed's Tecorigin SDAA accelerator, which slipstream
+refuses: it runs on CUDA and the CPU only (``DS_ACCELERATOR=sdaa`` is refused the same way).
+The class exists so that imports of it keep working; building one raises."""
+
+from __future__ import annotations
+
+from slipstream.accelerator.real_accelerator import refuse_device
+
+__all__ = ["SDAA_Accelerator"]
+
+
+class SDAA_Accelerator:
+    """Refused at construction (see the module docstring)."""
+
+    def __init__(self) -> None:
+        refuse_device("sdaa")

@@ -1,0 +1,16 @@
+"""``deepspeed.accelerator.supa_accelerator``: DeepSpeed's Biren SUPA accelerator, which slipstream
+refuses: it runs on CUDA and the CPU only (``DS_ACCELERATOR=supa`` is refused the same way).
+The class exists so that imports of it keep working; building one raises."""
+
+from __future__ import annotations
+
+from slipstream.accelerator.real_accelerator import refuse_device
+
+__all__ = ["SUPA_Accelerator"]
+
+
+class SUPA_Accelerator:
+    """Refused at construction (see the module docstring)."""
+
+    def __init__(self) -> None:
+        refuse_device("supa")

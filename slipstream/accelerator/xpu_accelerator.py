@@ -1,0 +1,16 @@
+"""``deepspeed.accelerator.xpu_accelerator``: DeepSpeed's Intel XPU accelerator, which slipstream
+refuses: it runs on CUDA and the CPU only (``DS_ACCELERATOR=xpu`` is refused the same way).
+The class exists so that imports of it keep working; building one raises."""
+
+from __future__ import annotations
+
+from slipstream.accelerator.real_accelerator import refuse_device
+
+__all__ = ["XPU_Accelerator"]
+
+
+class XPU_Accelerator:
+    """Refused at construction (see the module docstring)."""
+
+    def __init__(self) -> None:
+        refuse_device("xpu")
