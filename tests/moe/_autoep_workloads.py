@@ -191,7 +191,6 @@ def world(workdir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for preset in ("mixtral", "qwen3_moe", "deepseek_v3"):
         out[f"{preset}/ep2"] = engine_vs_reference(preset, 2, 1)
-    out["mixtral/ep1"] = engine_vs_reference("mixtral", 1, 2)
     out["mixtral/ep2/zero2"] = engine_vs_reference("mixtral", 2, 2)
     out["trainer"] = {ep: trainer_losses(workdir, ep) for ep in (False, True)}
     return out

@@ -114,8 +114,7 @@ def test_engine_ep2_equals_one_process(ranks: list[dict[str, Any]], case: str) -
     _check(ranks, case)
 
 
-def test_engine_ep1_and_zero2(ranks: list[dict[str, Any]]) -> None:
-    _check(ranks, "mixtral/ep1")
+def test_engine_ep2_zero2(ranks: list[dict[str, Any]]) -> None:
     _check(ranks, "mixtral/ep2/zero2")
 
 
@@ -128,7 +127,7 @@ def _check(ranks: list[dict[str, Any]], case: str) -> None:
         assert r["params"].keys() == r["ref_params"].keys()
         for name, p in r["params"].items():
             torch.testing.assert_close(p, r["ref_params"][name], rtol=1e-4, atol=1e-5)
-    if case.endswith("ep2"):  # each rank holds half the experts, and different ones
+    if "ep2" in case:  # each rank holds half the experts, and different ones
         name = next(n for n in ranks[0][case]["params"] if n.endswith("gate_up_proj"))
         a, b = ranks[0][case]["params"][name], ranks[1][case]["params"][name]
         assert not torch.equal(a, b)
