@@ -141,3 +141,41 @@ def test_hf_trainer(ranks: list[dict[str, Any]]) -> None:
         assert none == 0 and converted == 2  # both Mixtral layers run expert-parallel
         assert len(autoep) == 3
         assert autoep == pytest.approx(plain, rel=1e-4)
+
+
+def _deepspeed_autoep_defaults() -> dict[str, Any]:
+    """``key -> default`` of DeepSpeed's own ``parse_autoep_config``, read from its source
+    (``param_dict.get("key", default)``) without importing DeepSpeed."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        pytest.skip("DeepSpeed is not installed")
+    path = Path(spec.origin).parent / "module_inject" / "auto_ep_config.py"
+    if not path.exists():
+        pytest.skip("this DeepSpeed has no AutoEP")
+    out: dict[str, Any] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "param_dict"
+            and len(node.args) == 2
+        ):
+            out[ast.literal_eval(node.args[0])] = ast.literal_eval(node.args[1])
+    return out
+
+
+def test_keys_and_defaults_are_deepspeeds() -> None:
+    """Every key DeepSpeed 0.19.8's parser reads exists here with DeepSpeed's default
+    ("auto" top_k is read as None; expert_w3 and load_balance_coeff are read by presence)."""
+    ds = _deepspeed_autoep_defaults()
+    assert len(ds) > 25
+    ours = ExpertParallelConfig().model_dump()
+    ds = {k: (None if k == "top_k" and v == "auto" else v) for k, v in ds.items()}
+    assert {k: ours.get(k, "<missing>") for k in ds} == ds
+    assert {"expert_w3", "load_balance_coeff"} <= ours.keys()
