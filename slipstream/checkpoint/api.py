@@ -384,6 +384,9 @@ def _engine_meta(engine: TrainingState, world: int) -> dict[str, Any]:
         "skipped_steps": engine.skipped_steps,
         "loss_scaler": opt.loss_scaler.state_dict() if opt is not None else None,
         "param_order": _param_order(engine),
+        "moe_ep_sizes": sorted(
+            {b.expert.ep_size for b in getattr(opt, "buckets", ()) if b.expert is not None}
+        ),
         "param_groups": [
             {k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
         ]

@@ -26,7 +26,7 @@ def _cases(root: Path) -> dict[str, Any]:
     ep2_saves = run_world(w.both, 2, 2, 1, None, a)
     ep1_loads = run_world(w.both, 1, 1, 2, a, None)[0]
     ep2_loads = run_world(w.both, 2, 2, 2, b, None)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"ep2_dir": a}
     for kind in ("autoep", "deepspeed"):
         out[kind] = {
             "ep1_saves": ep1_saves[kind],
@@ -67,6 +67,15 @@ def test_reshard_between_ep_sizes(cases: dict[str, Any], kind: str) -> None:
         for name, p in res["params"].items():
             saved = ep2[rank]["params"][name]
             torch.testing.assert_close(p, saved, rtol=1e-4, atol=1e-6)
+
+
+def test_export_to_deepspeed_is_refused(cases: dict[str, Any]) -> None:
+    """DeepSpeed's expert files are not written: the ep_size 2 checkpoint is refused by name."""
+    from slipstream.checkpoint.format import CheckpointError
+    from slipstream.checkpoint.to_deepspeed import export_deepspeed
+
+    with pytest.raises(CheckpointError, match=r"MoE expert parallelism \(ep_size \[2\]\)"):
+        export_deepspeed(cases["ep2_dir"] + "/deepspeed/t", cases["ep2_dir"] + "/ds-out")
 
 
 def test_export_is_a_plain_hf_state_dict(cases: dict[str, Any]) -> None:
