@@ -291,6 +291,12 @@ def convert_hf_moe_(model: nn.Module, ep: ExpertParallelConfig, ep_rank: int) ->
     for name, block in blocks:
         hf_experts = getattr(block, experts_name)
         gate_up, down = getattr(hf_experts, w1, None), getattr(hf_experts, w2, None)
+        if isinstance(gate_up, Tensor) and (gate_up.numel() == 0 or hasattr(gate_up, "ds_numel")):
+            raise ConfigError(
+                f"expert_parallel: {name}.{experts_name} is partitioned by ZeRO-3 (zero.Init): "
+                "AutoEP converts full expert tensors; build the model outside zero.Init and "
+                "use zero_optimization.stage 0-2 with expert_parallel"
+            )
         if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3:
             raise ConfigError(
                 f"expert_parallel: {name}.{experts_name} has no stacked {w1!r}/{w2!r} "

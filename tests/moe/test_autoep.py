@@ -85,6 +85,9 @@ def test_keys_are_validated() -> None:
         convert_hf_moe_(model, ExpertParallelConfig(enabled=True, autoep_size=3), 0)
     with pytest.raises(ConfigError, match="no module matches moe_layer_pattern"):
         convert_hf_moe_(model, ExpertParallelConfig(enabled=True, moe_layer_pattern="x"), 0)
+    model.model.layers[0].mlp.experts.gate_up_proj.data = torch.empty(0)  # as zero.Init leaves it
+    with pytest.raises(ConfigError, match="partitioned by ZeRO-3"):
+        convert_hf_moe_(model, ExpertParallelConfig(enabled=True), 0)
 
 
 class _Alias:
