@@ -241,7 +241,6 @@ def save_checkpoint(
             "checkpoint.use_node_local_storage = true is not supported: save to a directory "
             "every rank can reach (a shared filesystem), or set it to false"
         )
-    _refuse_expert_parallel(engine, "save_checkpoint")
     _rendezvous(engine, "save_checkpoint")
     tag = _agree(
         engine, str(tag if tag is not None else f"global_step{engine.global_steps}"), "tag"
@@ -265,18 +264,6 @@ def save_checkpoint(
     pending.write_shard()
     _commit(engine, pending)
     return None
-
-
-def _refuse_expert_parallel(engine: TrainingState, what: str) -> None:
-    """Experts with ep_size > 1 hold different tensors under the same names on each
-    expert-parallel rank; saving them by global expert id is not built yet (every rank has
-    the same buckets, so every rank raises)."""
-    opt = engine.optimizer
-    if any(getattr(b, "expert", None) is not None for b in getattr(opt, "buckets", ())):
-        raise CheckpointError(
-            f"{what} of a model with MoE expert parallelism (ep_size > 1) is not supported "
-            "yet: checkpoint with ep_size 1, or save the expert weights yourself"
-        )
 
 
 def _write_files(
@@ -397,6 +384,9 @@ def _engine_meta(engine: TrainingState, world: int) -> dict[str, Any]:
         "skipped_steps": engine.skipped_steps,
         "loss_scaler": opt.loss_scaler.state_dict() if opt is not None else None,
         "param_order": _param_order(engine),
+        "moe_ep_sizes": sorted(
+            {b.expert.ep_size for b in getattr(opt, "buckets", ()) if b.expert is not None}
+        ),
         "param_groups": [
             {k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
         ]
@@ -464,7 +454,6 @@ def load_checkpoint(
     """
     if not load_module_strict:
         raise ValueError("load_module_strict=False is not supported yet: pass True")
-    _refuse_expert_parallel(engine, "load_checkpoint")
     _rendezvous(engine, "load_checkpoint")
     root = Path(load_dir)
     if tag is not None:

@@ -11,6 +11,7 @@ every piece of a param group and are kept per group in the manifest.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from slipstream.checkpoint.format import (
     dtype_from_name,
     dtype_name,
 )
+from slipstream.distributed import comm
 from slipstream.distributed.placement import is_duplicate, tp_shard
 from slipstream.zero.gathered import GatheredParameters
 from slipstream.zero.holdings import BucketShard
@@ -73,6 +75,19 @@ def checkpoint_name(name: str, p: torch.Tensor) -> str:
     if shard is None:
         return name
     return f"{name}.tp{shard.rank}of{shard.size}"
+
+
+def placed(name: str, p: torch.Tensor, shape: tuple[int, ...]) -> tuple[str, int, tuple[int, ...]]:
+    """A parameter's checkpoint tensor, the flat offset of this rank's part in it, and the
+    tensor's shape. An MoE expert parameter of ``ep_size`` > 1 is stored by global expert id
+    (``slipstream.moe.plan.ExpertPlacement``): its module-per-expert name made global, or its
+    stacked ``[local experts, ...]`` tensor as rows of the ``[all experts, ...]`` tensor, so that
+    every expert is saved once and loads at any ``ep_size``."""
+    base = checkpoint_name(name, p)
+    place = getattr(p, "expert_placement", None)
+    if place is None:
+        return base, 0, shape
+    return place.global_name(base), place.offset(math.prod(shape)), place.global_shape(shape)
 
 
 def shared_parameter_names(module: nn.Module) -> dict[str, str]:
@@ -127,8 +142,11 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
     # rank enters; a no-op for ordinary replicated frozen weights).
     with GatheredParameters([p for _, p in frozen]):
         for name, p in frozen:
-            if lead and _writes(name, p, tp_rank):
-                out.add(f"model/{checkpoint_name(name, p)}", 0, p.detach().clone(), p.shape)
+            place = getattr(p, "expert_placement", None)
+            writer = place.edp_lead if place is not None else lead
+            if writer and _writes(name, p, tp_rank):
+                tensor, off, shape = placed(name, p, tuple(p.shape))
+                out.add(f"model/{tensor}", off, p.detach().clone(), shape)
     if lead and tp_rank == 0:
         for name, t in _buffers(module).items():
             out.add(f"buffer/{name}", 0, t.detach(), tuple(t.shape))
@@ -149,18 +167,22 @@ def _collect_bucket(out: Collected, opt: ZeroOptimizer, shard: BucketShard, tp_r
     """This rank's share of one bucket: the part of each parameter in its shard of the bucket
     (at stage 0 too, so that writing is spread over the ranks)."""
     bucket = shard.bucket
-    w = bucket.shard_slice(opt.dp_rank)
-    names = [checkpoint_name(n, p) for n, p in zip(bucket.names, bucket.params)]
+    # Expert buckets are sharded over their expert-data-parallel group.
+    rank = opt.dp_rank if bucket.expert is None else comm.get_rank(bucket.expert.edp_group)
+    w = bucket.shard_slice(rank)
+    where = [placed(n, p, tuple(s)) for n, p, s in zip(bucket.names, bucket.params, bucket.shapes)]
+    names = [t for t, _, _ in where]
     replicas = [not _writes(n, p, tp_rank) for n, p in zip(bucket.names, bucket.params)]
     for i, (name, skip) in enumerate(zip(names, replicas)):
         mine = bucket.param_slice(i, w.start, w.stop)
         if not mine or skip:
             continue
-        shape = tuple(bucket.shapes[i])
-        out.add(f"model/{name}", mine.param.start, shard.params[mine.at(shard.held[0])], shape)
+        _, off, shape = where[i]
+        start = off + mine.param.start
+        out.add(f"model/{name}", start, shard.params[mine.at(shard.held[0])], shape)
         if shard.separate_master:
             master = shard.master[mine.at(shard.owned[0])]
-            out.add(f"master/{name}", mine.param.start, master, shape)
+            out.add(f"master/{name}", start, master, shape)
     for piece in shard.pieces:
         state = opt.state.get(piece.view)
         if not state:
@@ -174,7 +196,8 @@ def _collect_bucket(out: Collected, opt: ZeroOptimizer, shard: BucketShard, tp_r
                 if mine and not replicas[piece.index]:
                     part = value.reshape(-1)[mine.at(piece.extent.start)]
                     tensor = f"optim/{key}/{names[piece.index]}"
-                    out.add(tensor, mine.param.start, part, tuple(bucket.shapes[piece.index]))
+                    _, off, shape = where[piece.index]
+                    out.add(tensor, off + mine.param.start, part, shape)
             else:
                 out.optim_scalars.setdefault(bucket.group_index, {})[key] = _scalar(value)
 
@@ -185,7 +208,10 @@ def check_compatible(reader: LogicalReader, module: nn.Module, opt: ZeroOptimize
     A rank holding part of the model (a pipeline stage, a tensor-parallel shard) checks its
     own parameters only; tensor-parallel shards need the TP size they were saved with.
     """
-    have = {checkpoint_name(n, p): tuple(full_shape(p)) for n, p in module.named_parameters()}
+    have = {}
+    for n, p in module.named_parameters():
+        tensor, _, shape = placed(n, p, tuple(full_shape(p)))
+        have[tensor] = shape
     saved = {n: reader.shape(f"model/{n}") for n in reader.names("model")}
     tp_sizes = {int(m.group(2)) for n in saved if (m := _TP_SUFFIX.search(n))}
     mine = {int(m.group(2)) for n in have if (m := _TP_SUFFIX.search(n))}
@@ -196,7 +222,9 @@ def check_compatible(reader: LogicalReader, module: nn.Module, opt: ZeroOptimize
             "with the same autotp_size"
         )
     missing = sorted(set(have) - set(saved))
-    partial = bool(mine) or int(getattr(module, "num_stages", 1)) > 1
+    # A rank holding some of the experts (ep_size > 1) checks its own.
+    experts = any(hasattr(p, "expert_placement") for p in module.parameters())
+    partial = bool(mine) or int(getattr(module, "num_stages", 1)) > 1 or experts
     unexpected = [] if partial else sorted(set(saved) - set(have))
     wrong = [
         f"{n}: model {have[n]} vs checkpoint {saved[n]}"
@@ -265,8 +293,9 @@ def restore_state(
 
 def _read_frozen(reader: LogicalReader, frozen: list[tuple[str, nn.Parameter]]) -> None:
     for name, p in frozen:
-        name = checkpoint_name(name, p)
-        reader.read(_value_source(reader, name, p.dtype), out=p.data.view(-1))
+        tensor, off, _ = placed(name, p, tuple(p.shape))
+        src = _value_source(reader, tensor, p.dtype)
+        reader.read(src, off, off + p.numel(), out=p.data.view(-1))
 
 
 def _read_buffers(reader: LogicalReader, module: nn.Module) -> None:
@@ -293,16 +322,17 @@ def _restore_buckets(
 def _read_bucket(reader: LogicalReader, shard: BucketShard) -> None:
     bucket, params = shard.bucket, shard.params
     for i, (p, name) in enumerate(zip(bucket.params, bucket.names)):
-        name = checkpoint_name(name, p)
+        name, off, _ = placed(name, p, tuple(bucket.shapes[i]))
         held = bucket.param_slice(i, *shard.held)
         if held:
             src = _value_source(reader, name, params.dtype)
-            reader.read(src, held.param.start, held.param.stop, out=params[held.at(shard.held[0])])
+            out = params[held.at(shard.held[0])]
+            reader.read(src, off + held.param.start, off + held.param.stop, out=out)
         owned = bucket.param_slice(i, *shard.owned)
         if shard.separate_master and owned:
             msrc = f"master/{name}" if reader.has(f"master/{name}") else f"model/{name}"
             out = shard.master[owned.at(shard.owned[0])]
-            reader.read(msrc, owned.param.start, owned.param.stop, out=out)
+            reader.read(msrc, off + owned.param.start, off + owned.param.stop, out=out)
 
 
 def _restore_optimizer_states(
@@ -320,7 +350,7 @@ def _restore_optimizer_states(
     on_device = bool(group.get("fused") or group.get("capturable"))
     for piece in shard.pieces:
         i = piece.index
-        name = checkpoint_name(bucket.names[i], bucket.params[i])
+        name, off, _ = placed(bucket.names[i], bucket.params[i], tuple(bucket.shapes[i]))
         state: dict[str, Any] = {}
         for key in keys:
             tensor = f"optim/{key}/{name}"
@@ -330,7 +360,8 @@ def _restore_optimizer_states(
                     f"'{name}'"
                 )
             span = piece.extent.param
-            state[key] = reader.read(tensor, span.start, span.stop).to(piece.view.device)
+            value = reader.read(tensor, off + span.start, off + span.stop)
+            state[key] = value.to(piece.view.device)
         for key, entry in group_scalars.items():
             value = entry["value"]
             if entry["tensor"]:

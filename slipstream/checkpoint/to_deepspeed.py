@@ -65,6 +65,12 @@ def export_deepspeed(
             f"{reader.dir / 'manifest.json'} has no 'param_order' (saved by an older "
             "slipstream): load it and save it again, then export"
         )
+    if m.get("moe_ep_sizes"):
+        raise CheckpointError(
+            f"{reader.dir} was saved with MoE expert parallelism (ep_size "
+            f"{m['moe_ep_sizes']}): export to DeepSpeed is not built for it; load it at "
+            "ep_size 1 and save again, or take the weights with zero_to_fp32"
+        )
     if any(".tp" in n and n.rsplit(".tp", 1)[1].count("of") for n in reader.names("model")):
         raise CheckpointError(f"{reader.dir} holds tensor-parallel shards: export needs TP 1")
     world = world_size or int(m["dp_world_size"])

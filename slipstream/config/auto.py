@@ -155,6 +155,8 @@ def reject_remaining_auto(node: Any, where: str) -> None:
     if isinstance(node, dict):
         for key, value in node.items():
             path = f"{where}.{key}" if where else key
+            if path == "expert_parallel":  # "auto" is a value of its own there (AutoEP)
+                continue
             if is_auto(value) and key not in BATCH_KEYS:
                 raise ConfigError(
                     f"cannot resolve config key '{path}' = \"auto\": slipstream resolves 'auto' "

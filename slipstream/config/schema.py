@@ -10,6 +10,7 @@ from slipstream.config._base import StrictModel
 from slipstream.config.aio import AioConfig
 from slipstream.config.autotuning import AutotuningConfig
 from slipstream.config.compression import CompressionConfig
+from slipstream.config.expert import ExpertParallelConfig
 from slipstream.config.hybrid import HybridEngineConfig
 from slipstream.config.monitor import (
     CometConfig,
@@ -121,8 +122,6 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "quantize_training": "quantization-aware training is not implemented yet",
     "timers": "timer options are not implemented yet; use wall_clock_breakdown",
     "dump_state": "dump_state is not implemented yet",
-    "expert_parallel": "AutoEP (expert_parallel) is not implemented yet; build the model with "
-    "slipstream.moe (deepspeed.moe.layer.MoE) and its ep_size instead",
 }
 
 
@@ -224,6 +223,8 @@ class SlipstreamConfig(StrictModel):
     DeepSpeed does outside ``deepspeed --autotuning``)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism (AutoTP)."""
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    """AutoEP: Hugging Face MoE blocks converted to expert-parallel grouped experts."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline schedule for a ``PipelineModule`` model."""
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)

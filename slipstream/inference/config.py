@@ -61,17 +61,18 @@ def _check_moe_keys(base: dict[str, Any]) -> None:
     """DeepSpeed's MoE inference keys (``moe`` block, or the older top-level ``ep_size``,
     ``moe_experts``, ``moe_type``). slipstream generates with the model's own MoE layers
     (``slipstream.moe``), so the expert count and type come from the model, as in DeepSpeed
-    without kernel injection; only expert parallelism across ranks is refused. Removes them."""
+    without kernel injection. ``ep_size`` becomes ``moe_ep_size``; the others are removed."""
     moe = base.pop("moe", None)
     block = moe if isinstance(moe, dict) else {}
     if moe not in (None, True, False) and not isinstance(moe, dict):
         raise ConfigError(f"init_inference: config key 'moe' = {moe!r} must be a dict or a bool")
     ep = block.get("ep_size", base.pop("ep_size", None))
-    if ep not in (None, 1):
+    if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1):
         raise ConfigError(
-            f"init_inference: config key 'ep_size' = {ep!r}: expert parallelism is not "
-            "implemented for inference; use ep_size 1 (every rank holds every expert)"
+            f"init_inference: config key 'ep_size' = {ep!r} must be a positive integer"
         )
+    if ep is not None:
+        base["moe_ep_size"] = ep
     kind = block.get("type", base.pop("moe_type", None))
     if kind is not None and str(getattr(kind, "value", kind)) not in _MOE_TYPES:
         raise ConfigError(
@@ -187,6 +188,10 @@ class InferenceConfig(StrictModel):
     weight in the layouts the CPU GEMM kernels run fastest (one per row-count class, built
     on first use: more memory, the head's size in fp32 each), "native" uses the module as
     it is (``slipstream.inference.kernels``)."""
+    moe_ep_size: int = Field(1, ge=1)
+    """Expert-parallel ranks for MoE models (DeepSpeed's ``moe.ep_size`` or ``ep_size``): each
+    rank holds ``1/moe_ep_size`` of every MoE layer's experts (``slipstream.inference.experts``).
+    """
     finished_rows: Literal["drop", "mask"] = "drop"
     """(slipstream) What happens to a sequence that has ended while others go on: "drop"
     removes it from the batch and the cache (it stops costing compute), "mask" keeps

@@ -20,6 +20,7 @@ from torch import nn
 from slipstream.config._errors import ConfigError
 from slipstream.inference import generation
 from slipstream.inference.config import InferenceConfig, read_inference_config
+from slipstream.inference.experts import expert_parallel_for_inference
 from slipstream.inference.generation import RankSync
 from slipstream.inference.kernels import (
     fp32_gemm_for_half_weights_,
@@ -29,6 +30,7 @@ from slipstream.inference.kernels import (
 from slipstream.inference.loading import load_weights
 from slipstream.inference.parallel import check_tensor_parallel, parallelize_for_inference
 from slipstream.inference.request import call_arguments
+from slipstream.moe import moe_layers
 
 __all__ = ["InferenceEngine", "init_inference", "resolve_quant"]
 
@@ -152,7 +154,15 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         load_weights(model, cfg.checkpoint, cfg.base_dir)
     if cfg.torch_dtype is not None:
         model.to(cfg.torch_dtype)
+    if cfg.moe_ep_size > 1 and cfg.tp_size > 1:
+        raise ConfigError(
+            f"init_inference: config key 'ep_size' = {cfg.moe_ep_size} with tp_size "
+            f"{cfg.tp_size}: expert and tensor parallelism together are not supported; set "
+            "one of them to 1"
+        )
     sync = parallelize_for_inference(model, cfg) if cfg.tp_size > 1 else None
+    if cfg.moe_ep_size > 1 or moe_layers(model):
+        sync = expert_parallel_for_inference(model, cfg.moe_ep_size) or sync
     if quant is not None:
         from slipstream.quant import quantize_
 

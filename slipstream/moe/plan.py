@@ -13,6 +13,8 @@ parameters are data-parallel over ``dp / ep`` ranks).
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,9 +23,16 @@ from slipstream.distributed import comm
 from slipstream.distributed.expert import ExpertGroups, expert_groups
 from slipstream.distributed.mesh import DeviceMesh
 from slipstream.moe.experts import mark_expert_params
+from slipstream.moe.layer import MoE
 from slipstream.moe.utils import is_moe_param, moe_layers
 
-__all__ = ["clip_grad_norm_", "expert_parallel_", "reduce_gradients_", "routing_stats"]
+__all__ = [
+    "ExpertPlacement",
+    "clip_grad_norm_",
+    "expert_parallel_",
+    "reduce_gradients_",
+    "routing_stats",
+]
 
 
 def expert_parallel_(
@@ -45,7 +54,57 @@ def expert_parallel_(
         groups = expert_groups(mesh, layer.ep_size, data_before_expert)
         layer.set_ep_group(groups.ep_group)
         out[layer.expert_group_name] = groups
+        if layer.ep_size > 1:
+            place = ExpertPlacement(
+                comm.get_rank(groups.ep_group),
+                layer.ep_size,
+                layer.num_experts // layer.ep_size,
+                stacked=not isinstance(layer, MoE),
+                edp_lead=comm.get_rank(groups.edp_group) == 0,
+            )
+            for p in layer.expert_module.parameters():
+                p.expert_placement = place  # type: ignore[attr-defined]
     return out
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where a rank's expert parameter sits among all experts (for checkpoints, which save
+    every expert once under its global id).
+
+    Attributes:
+        ep_rank: this rank's index in its expert-parallel group.
+        ep_size: ranks in the group.
+        num_local: experts per rank; local expert ``i`` is global ``ep_rank * num_local + i``.
+        stacked: the local experts are dim 0 of the tensor (grouped and AutoEP experts),
+            else each expert is its own module, ``deepspeed_experts.<i>`` (DeepSpeed's layer).
+        edp_lead: this rank is the first of the ranks holding the same experts (it writes
+            what is not sharded, such as frozen experts).
+    """
+
+    ep_rank: int
+    ep_size: int
+    num_local: int
+    stacked: bool
+    edp_lead: bool = True
+
+    def global_name(self, name: str) -> str:
+        """``name`` with the local expert index made global (module-per-expert layout)."""
+        if self.stacked:
+            return name
+        m = list(_EXPERT_INDEX.finditer(name))[-1]
+        gid = self.ep_rank * self.num_local + int(m.group(1))
+        return f"{name[: m.start(1)]}{gid}{name[m.end(1) :]}"
+
+    def global_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[0] * self.ep_size, *shape[1:]) if self.stacked else shape
+
+    def offset(self, numel: int) -> int:
+        """Where this rank's tensor starts in the global tensor (flat elements)."""
+        return self.ep_rank * numel if self.stacked else 0
+
+
+_EXPERT_INDEX = re.compile(r"deepspeed_experts\.(\d+)\.")
 
 
 def reduce_gradients_(

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.moe.autoep import AutoEPExperts
 from slipstream.moe.dropless import DroplessMoE
 from slipstream.moe.layer import MoE
 
@@ -24,9 +25,10 @@ __all__ = [
 ]
 
 
-def moe_layers(module: nn.Module) -> list[MoE | DroplessMoE]:
-    """Every :class:`MoE` and :class:`DroplessMoE` layer inside ``module``, in module order."""
-    return [m for m in module.modules() if isinstance(m, MoE | DroplessMoE)]
+def moe_layers(module: nn.Module) -> list[MoE | DroplessMoE | AutoEPExperts]:
+    """Every :class:`MoE`, :class:`DroplessMoE` and AutoEP layer inside ``module``, in module
+    order."""
+    return [m for m in module.modules() if isinstance(m, MoE | DroplessMoE | AutoEPExperts)]
 
 
 def has_moe_layers(module: nn.Module) -> tuple[bool, int]:

@@ -29,6 +29,7 @@ from slipstream.distributed.mesh import (
 )
 from slipstream.distributed.topology import resolve_ranks_per_node
 from slipstream.moe import expert_parallel_, moe_layers
+from slipstream.moe.autoep import autoep_, new_param, remap_params_
 from slipstream.parallel.pipeline import PipelineModule
 from slipstream.precision import LossScaler, PrecisionPolicy
 from slipstream.runtime._foreign import refuse_real_deepspeed
@@ -137,6 +138,8 @@ def initialize(
     )
     _place_(model, device, policy.param_dtype)
     parallelize_(model, cfg, mesh)
+    if cfg.expert_parallel.enabled:  # AutoEP: HF MoE blocks to expert-parallel experts
+        model_parameters = _autoep(model, cfg, mesh, client_opt, model_parameters)
     # MoE: each layer's expert-parallel group from the mesh; ZeRO reduces experts over theirs.
     experts = expert_parallel_(model, mesh) if moe_layers(model) else None
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
@@ -405,6 +408,30 @@ def _is_pipeline(model: nn.Module) -> bool:
 
 def _engine_class(model: nn.Module) -> type[Engine]:
     return PipelineEngine if _is_pipeline(model) else Engine
+
+
+def _autoep(
+    model: nn.Module,
+    cfg: SlipstreamConfig,
+    mesh: DeviceMesh,
+    client_opt: torch.optim.Optimizer | None,
+    model_parameters: Iterable[Any] | None,
+) -> Iterable[Any] | None:
+    """Convert the HF MoE blocks (``expert_parallel``) and point a client optimizer and
+    ``model_parameters`` given before at the new parameters, as DeepSpeed remaps them."""
+    replaced = autoep_(model, cfg.expert_parallel, mesh)
+    if client_opt is not None:
+        if any(len(s) for s in client_opt.state.values()):
+            log_rank0("AutoEP replaced expert parameters: the client optimizer's state is reset")
+        remap_params_(client_opt.param_groups, replaced)
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g) for g in items]
+        remap_params_(groups, replaced)
+        return groups
+    return [new_param(replaced, p) for p in items]
 
 
 def _check_ranks_agree(model: nn.Module, cfg: SlipstreamConfig, group: comm.Group) -> None:

@@ -230,26 +230,3 @@ def dropless_ep() -> dict[str, Any]:
         ref_params[key] = ref_params[key][rank * local : (rank + 1) * local]
     res["ref_params"] = ref_params
     return res
-
-
-def save_refused(path: str) -> str:
-    """save_checkpoint of an ep_size 2 engine: the error every rank gets."""
-    import slipstream
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    net = local_copy(reference(1), world, rank, 1)
-    engine, _, _, _ = slipstream.initialize(
-        model=net,
-        model_parameters=net.parameters(),
-        config={
-            "train_micro_batch_size_per_gpu": 1,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        },
-    )
-    try:
-        engine.save_checkpoint(path)
-    except Exception as e:
-        return str(e)
-    finally:
-        engine.destroy()
-    return "saved"

@@ -1,5 +1,6 @@
-"""init_inference with MoE models: DeepSpeed's moe keys are accepted (ep_size 1) or refused
-by name, and a GPT with experts generates with the KV cache as without it."""
+"""init_inference with MoE models: DeepSpeed's moe keys are accepted or refused by name
+(ep_size 2: tests/moe/test_moe_inference_ep.py), and a GPT with experts generates with the
+KV cache as without it."""
 
 from __future__ import annotations
 
@@ -33,8 +34,6 @@ def test_moe_keys() -> None:
     slipstream.init_inference(
         model, config={"moe_experts": [1], "moe_type": "standard", "ep_size": 1}
     )
-    with pytest.raises(ConfigError, match="'ep_size' = 2: expert parallelism is not implemented"):
-        slipstream.init_inference(model, config={"moe": {"ep_size": 2}})
     with pytest.raises(ConfigError, match="'moe_type' = 'sparse'"):
         slipstream.init_inference(model, config={"moe_type": "sparse"})
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['ep_group'\]"):
