@@ -149,6 +149,7 @@ def test_completion_is_the_greedy_answer_with_usage(server):
                                            stop=[stop])  # fmt: skip
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    server.wait_idle()  # the stop string ended the engine's request too
 
 
 def test_chat_stream_equals_the_whole_answer(server):

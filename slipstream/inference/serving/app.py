@@ -219,15 +219,17 @@ class _Server:
     async def _next(self, request: Request, job: _Job) -> RequestOutput | EngineFailure | None:
         """The job's next output; None once the client has gone (the job is aborted)."""
         getter = asyncio.ensure_future(job.outputs.get())
-        while True:
-            done, _ = await asyncio.wait({getter}, timeout=0.25)
-            if done:
-                return getter.result()
-            if await request.is_disconnected():
-                getter.cancel()
-                self.runner.abort(job.request_id)
-                logger.info("serve: %s: the client disconnected; aborted", job.request_id)
-                return None
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=0.25)
+                if done:
+                    return getter.result()
+                if await request.is_disconnected():
+                    self.runner.abort(job.request_id)
+                    logger.info("serve: %s: the client disconnected; aborted", job.request_id)
+                    return None
+        finally:
+            getter.cancel()  # no-op when it is done; else the handler itself was cancelled
 
     async def _outputs(
         self, request: Request, job: _Job
@@ -250,6 +252,8 @@ class _Server:
                 tokens += len(item.new_token_ids)
                 text, stopped = job.detok.add(item)
                 reason = "stop" if stopped else item.finish_reason if item.finished else None
+                if stopped and not item.finished:
+                    self.runner.abort(job.request_id)  # a stop string: the engine stops too
                 finished = reason is not None
                 yield text, reason, tokens
                 if finished:
