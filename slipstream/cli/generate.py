@@ -63,27 +63,16 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _prompt_ids(tok: Any, args: argparse.Namespace) -> Any:
-    from slipstream.data.tokenizer import TextTokenizer
+    import torch
 
-    if isinstance(tok, TextTokenizer) and not callable(tok):  # a toy tokenizer: no template
-        import torch
+    from slipstream.inference.pretrained import encode_chat, encode_text, has_chat_template
 
-        return torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
-    if args.raw or not getattr(tok, "chat_template", None):
-        return tok(args.prompt, return_tensors="pt").input_ids
+    if args.raw or not has_chat_template(tok):
+        return torch.tensor([encode_text(tok, args.prompt)], dtype=torch.long)
     messages = [{"role": "user", "content": args.prompt}]
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids
-
-
-def _decode(tok: Any, ids: list[int]) -> str:
-    from slipstream.data.tokenizer import TextTokenizer
-
-    if isinstance(tok, TextTokenizer) and not callable(tok):
-        return tok.decode(ids)  # toy tokenizers drop their special ids themselves
-    return str(tok.decode(ids, skip_special_tokens=True))
+    return torch.tensor([encode_chat(tok, messages)], dtype=torch.long)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,7 +144,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
     from slipstream.config import ConfigError
     from slipstream.inference import init_inference, stream
-    from slipstream.inference.pretrained import load_causal_lm
+    from slipstream.inference.pretrained import decode_ids, load_causal_lm
 
     try:
         model, tok = load_causal_lm(args.model, Path(args.cache_dir) if args.cache_dir else None)
@@ -184,7 +173,7 @@ def generate_command(args: argparse.Namespace) -> int:
             break
         produced.append(value)
         if show:
-            text = _decode(tok, produced)
+            text = decode_ids(tok, produced)
             print(text[len(shown) :], end="", flush=True)  # whole-text decode: multi-byte safe
             shown = text
     elapsed = time.perf_counter() - start  # prompt processing included

@@ -13,7 +13,18 @@ import sys
 import textwrap
 from typing import Any
 
-from slipstream.cli import chat, convert, generate, launcher, plan, plot, quant, report, tune
+from slipstream.cli import (
+    chat,
+    convert,
+    generate,
+    launcher,
+    plan,
+    plot,
+    quant,
+    report,
+    serve,
+    tune,
+)
 from slipstream.version import __version__
 
 __all__ = ["PlainTextFormatter", "build_parser", "main", "plain_text"]
@@ -100,6 +111,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     tune.add_parser(subparsers)
     generate.add_parser(subparsers)
     chat.add_parser(subparsers)
+    serve.add_parser(subparsers)
     _add_demo_parser(subparsers, load=command == "demo")
     return parser
 

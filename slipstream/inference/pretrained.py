@@ -20,7 +20,17 @@ import torch
 from slipstream.config._errors import ConfigError
 from slipstream.models import files
 
-__all__ = ["SMOLLM2", "SMOLLM2_GGUF", "default_cache_dir", "load_causal_lm", "smollm2_dir"]
+__all__ = [
+    "SMOLLM2",
+    "SMOLLM2_GGUF",
+    "decode_ids",
+    "default_cache_dir",
+    "encode_chat",
+    "encode_text",
+    "has_chat_template",
+    "load_causal_lm",
+    "smollm2_dir",
+]
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,3 +92,49 @@ def load_causal_lm(name: str, cache_dir: Path | None = None) -> tuple[Any, Any]:
             f"model {name!r} is neither a model directory, a .gguf file nor {SMOLLM2!r}"
         )
     return files.load_hf_model(path, "causal", torch.float32).eval(), files.load_hf_tokenizer(path)
+
+
+# The tokenizers load_causal_lm returns: a Hugging Face tokenizer, or the toy tokenizer of a
+# reference GPT directory (slipstream.data.tokenizer.TextTokenizer: encode/decode, no template).
+
+
+def _is_toy(tok: Any) -> bool:
+    from slipstream.data.tokenizer import TextTokenizer
+
+    return isinstance(tok, TextTokenizer) and not callable(tok)
+
+
+def has_chat_template(tok: Any) -> bool:
+    """Whether ``tok`` can wrap messages in a chat template."""
+    return not _is_toy(tok) and bool(getattr(tok, "chat_template", None))
+
+
+def encode_text(tok: Any, text: str) -> list[int]:
+    """``text`` as token ids, as is (a Hugging Face tokenizer adds its special tokens, e.g.
+    BOS, the way ``tok(text)`` does)."""
+    if _is_toy(tok):
+        return [int(t) for t in tok.encode(text)]
+    return [int(t) for t in tok(text).input_ids]
+
+
+def encode_chat(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` (``role``/``content`` dicts) through the tokenizer's chat template, with
+    the assistant's turn opened (``add_generation_prompt``).
+
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
+    if not has_chat_template(tok):
+        raise ConfigError(
+            "this model's tokenizer has no chat template; send the text as is (a raw prompt, "
+            "or /v1/completions when serving)"
+        )
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return [int(t) for t in tok(text, add_special_tokens=False).input_ids]
+
+
+def decode_ids(tok: Any, ids: list[int]) -> str:
+    """Token ids as text, special tokens (EOS, padding) left out."""
+    if _is_toy(tok):
+        return str(tok.decode(ids))  # toy tokenizers drop their special ids themselves
+    return str(tok.decode(ids, skip_special_tokens=True))
