@@ -55,6 +55,7 @@ __all__ = [
     "ring_attention",
     "ring_attention_heads_first",
     "sequence_shard_indices",
+    "shard_batch_zigzag",
     "shard_sequence_zigzag",
     "unshard_sequence_zigzag",
     "usp_attention",
@@ -104,6 +105,35 @@ def shard_sequence_zigzag(
     return x.index_select(dim, idx)
 
 
+def shard_batch_zigzag(
+    batch: Any, sp_world_size: int, sp_rank: int, *, ring_size: int | None = None, seq_dim: int = 1
+) -> Any:
+    """Every tensor of ``batch`` (dicts, lists and tuples walked) cut to ``sp_rank``'s tokens
+    along ``seq_dim`` in the zig-zag layout (ring of ``ring_size``, default all ranks; Ulysses
+    degree ``sp_world_size // ring_size``); tensors with fewer dims are kept whole.
+
+    Raises:
+        ValueError: a length the layout cannot split (names the multiple to pad to).
+    """
+    ring = ring_size or sp_world_size
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() <= seq_dim:
+            return batch
+        return shard_sequence_zigzag(batch, ring, sp_rank, seq_dim, sp_world_size // ring)
+    if isinstance(batch, dict):
+        return {
+            k: shard_batch_zigzag(v, sp_world_size, sp_rank, ring_size=ring, seq_dim=seq_dim)
+            for k, v in batch.items()
+        }
+    if isinstance(batch, (list, tuple)):
+        items = [
+            shard_batch_zigzag(v, sp_world_size, sp_rank, ring_size=ring, seq_dim=seq_dim)
+            for v in batch
+        ]
+        return type(batch)(items) if isinstance(batch, list) else tuple(items)
+    return batch
+
+
 def unshard_sequence_zigzag(
     shards: list[torch.Tensor], ring_size: int, dim: int = 1, ulysses_size: int = 1
 ) -> torch.Tensor:
@@ -126,6 +156,15 @@ def doc_starts(position_ids: torch.Tensor, token_index: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------------------------- blocks
+ROW_TILE = 1024
+"""Query rows per score tile: a block's scores are computed ``ROW_TILE`` rows at a time, so
+the transient score memory is ``ROW_TILE x S/(2R)`` per head, not ``(S/(2R))^2``."""
+
+
+def _tiles(rows: int) -> list[tuple[int, int]]:
+    return [(lo, min(rows, lo + ROW_TILE)) for lo in range(0, rows, ROW_TILE)]
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
@@ -257,17 +296,19 @@ def _ring_forward(
         v_pieces = kv[1].split(c, dim=3)
         k_doc = _pieces(kv_doc, c, 1)
         for a, qc in enumerate(my_chunks):
-            rows = slice(a * c, (a + 1) * c)
             for b, kc in enumerate(ring.chunks(ring.source(step))):
                 skip, mask = _block_mask(qc, kc, c, causal, q_doc[a], k_doc[b], q.device)
                 if skip:
                     continue
-                blk_out, blk_lse = _block_forward(
-                    q[..., rows, :], k_pieces[b], v_pieces[b], scale, mask
-                )
-                out[..., rows, :], lse[..., rows] = _merge(
-                    out[..., rows, :], lse[..., rows], blk_out, blk_lse
-                )
+                for lo, hi in _tiles(c):  # bounded score memory: ROW_TILE x c per head
+                    rows = slice(a * c + lo, a * c + hi)
+                    tile_mask = None if mask is None else mask[..., lo:hi, :]
+                    blk_out, blk_lse = _block_forward(
+                        q[..., rows, :], k_pieces[b], v_pieces[b], scale, tile_mask
+                    )
+                    out[..., rows, :], lse[..., rows] = _merge(
+                        out[..., rows, :], lse[..., rows], blk_out, blk_lse
+                    )
         _wait(works)
         if step < ring.size - 1:
             kv = nxt
@@ -316,22 +357,27 @@ def _ring_backward(
         local = torch.zeros_like(kv)  # [2, B, kv, 1, 2c, D]
         k_doc = _pieces(kv_doc, c, 1)
         for a, qc in enumerate(my_chunks):
-            rows = slice(a * c, (a + 1) * c)
             for b, kc in enumerate(ring.chunks(ring.source(step))):
                 skip, mask = _block_mask(qc, kc, c, causal, q_doc[a], k_doc[b], q.device)
                 if skip:
                     continue
                 cols = slice(b * c, (b + 1) * c)
                 kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
-                s = _scores(q[..., rows, :], kb, scale, mask)
-                p = torch.exp(s - safe_lse[..., rows, None])
-                do = grad_out[..., rows, :]
-                local[1][..., cols, :] += torch.matmul(p.transpose(-1, -2), do).sum(2, keepdim=True)
-                ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[..., rows, None])
-                dq[..., rows, :] += torch.matmul(ds, kb) * scale
-                local[0][..., cols, :] += (
-                    torch.matmul(ds.transpose(-1, -2), q[..., rows, :]).sum(2, keepdim=True) * scale
-                )
+                for lo, hi in _tiles(c):
+                    rows = slice(a * c + lo, a * c + hi)
+                    tile_mask = None if mask is None else mask[..., lo:hi, :]
+                    s = _scores(q[..., rows, :], kb, scale, tile_mask)
+                    p = torch.exp(s - safe_lse[..., rows, None])
+                    do = grad_out[..., rows, :]
+                    local[1][..., cols, :] += torch.matmul(p.transpose(-1, -2), do).sum(
+                        2, keepdim=True
+                    )
+                    ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[..., rows, None])
+                    dq[..., rows, :] += torch.matmul(ds, kb) * scale
+                    local[0][..., cols, :] += (
+                        torch.matmul(ds.transpose(-1, -2), q[..., rows, :]).sum(2, keepdim=True)
+                        * scale
+                    )
         _wait(acc_works)
         acc = local if incoming is None else incoming + local
         if ring.size > 1:  # waited at the end: the next rank receives it a step later

@@ -73,7 +73,157 @@ def _case(mesh: Any, case: Case) -> dict[str, float]:
 
 def kernel_world(cases: list[Case]) -> dict[Case, dict[str, float]]:
     from slipstream.distributed.mesh import ParallelDims, build_mesh
+    from slipstream.sequence import ring
 
     world = dist.get_world_size()
     mesh = build_mesh(ParallelDims(world_size=world, sp=world), "cpu")
+    if world == 2:  # blocks of 4-6 rows computed in uneven row tiles
+        ring.ROW_TILE = 3
     return {case: _case(mesh, case) for case in cases}
+
+
+# ------------------------------------------------------ training: HF causal LMs and the GPT
+PACKED_DOCS = (5, 11)  # documents per packed row of 16 tokens
+
+
+class RingData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """``_hf_workloads.LMData`` rows, cut to ``seq`` tokens; ``packed``: each row packs two
+    documents (position ids restart at 0; the first token of each document has label -100,
+    so no target crosses a document boundary)."""
+
+    def __init__(self, seq: int, packed: bool) -> None:
+        from tests.sequence._hf_workloads import LMData
+
+        data = LMData()
+        self.ids, self.labels = data.ids[:, :seq].clone(), data.labels[:, :seq].clone()
+        self.packed = packed
+        if packed:
+            self.labels[:, PACKED_DOCS[0]] = -100
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = {"input_ids": self.ids[i], "labels": self.labels[i]}
+        if self.packed:
+            item["position_ids"] = torch.cat([torch.arange(n) for n in PACKED_DOCS])
+        return item
+
+
+def _ring_config(stage: int, sp: int, ring: int | None, bf16: bool = False) -> dict[str, Any]:
+    from tests.sequence._hf_workloads import BATCH, LR
+
+    cfg: dict[str, Any] = {
+        "train_batch_size": BATCH,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "sequence_parallel_size": sp,
+        "sequence_parallel_mode": "ring",
+        "seed": 7,
+        "gradient_clipping": 0.0,
+    }
+    if ring is not None:
+        cfg["sequence_parallel_ring_size"] = ring
+    return cfg
+
+
+def hf_ring_run(name: str, stage: int, seq: int, packed: bool) -> dict[str, Any]:
+    """SP = world in ring mode through ``slipstream.initialize`` and its loader."""
+    import slipstream
+    from tests.sequence._hf_workloads import STEPS, make_model
+
+    model = make_model(name)
+    engine, _, loader, _ = slipstream.initialize(
+        model=model,
+        config=_ring_config(stage, dist.get_world_size(), None),
+        training_data=RingData(seq, packed),
+    )
+    losses, shapes, attn = [], set(), model.config._attn_implementation
+    for _, batch in zip(range(STEPS), loader):
+        shapes.add(tuple(batch["input_ids"].shape))
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "params": params, "shapes": sorted(shapes), "attn": attn}
+
+
+def hf_reference_run(name: str, seq: int, packed: bool) -> dict[str, Any]:
+    """One process, the whole batch, the sampler's order; packed rows are run document by
+    document (separate forwards, positions from 0) and their token losses summed over the
+    batch's counted tokens: what packing with no cross-document attention must equal."""
+    from tests.sequence._hf_workloads import BATCH, LR, STEPS, make_model
+
+    model = make_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data = RingData(seq, packed)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(7)).tolist()
+    docs = [(0, PACKED_DOCS[0]), (PACKED_DOCS[0], seq)] if packed else [(0, seq)]
+    losses = []
+    for step in range(STEPS):
+        idx = order[step * BATCH : (step + 1) * BATCH]
+        ids, labels = data.ids[idx], data.labels[idx]
+        total, count = torch.zeros(()), 0
+        for lo, hi in docs:
+            logits = model(input_ids=ids[:, lo:hi]).logits[:, :-1]
+            target = labels[:, lo + 1 : hi]
+            total = total + torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"
+            )
+            count += int((target != -100).sum())
+        loss = total / count
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def gpt_ring_run(stage: int) -> dict[str, Any]:
+    """The reference GPT with ``sequence_parallel='ring'``, sp = world."""
+    import slipstream
+    from tests.sequence import _workloads as s
+
+    model = s.make_gpt("ring")
+    cfg = s._config(stage, dist.get_world_size(), 4)
+    cfg["sequence_parallel_mode"] = "ring"
+    engine, _, loader, _ = slipstream.initialize(
+        model=model, config=cfg, training_data=s.TokenData()
+    )
+    losses = []
+    for _, (x, y) in zip(range(s.STEPS), loader):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "params": params}
+
+
+def refusal(config_extra: dict[str, Any], model_name: str) -> str:
+    import slipstream
+    from tests.sequence import _workloads as s
+    from tests.sequence._hf_workloads import make_model
+
+    model = s.make_gpt("ulysses") if model_name == "gpt_ulysses" else make_model(model_name)
+    cfg = dict(_ring_config(0, dist.get_world_size(), None), **config_extra)
+    try:
+        slipstream.initialize(model=model, config=cfg)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def training_world(
+    hf_runs: list[tuple[str, int, int, bool]], gpt_stages: list[int], refused: list[Any]
+) -> dict[str, Any]:
+    return {
+        "hf": {run: hf_ring_run(*run) for run in hf_runs},
+        "gpt": {stage: gpt_ring_run(stage) for stage in gpt_stages},
+        "refused": {str(r): refusal(*r) for r in refused},
+    }
