@@ -213,6 +213,98 @@ def _block_forward(
     return torch.matmul(torch.exp(s - safe[..., None]), v), lse
 
 
+_FLASH_CPU = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """Whether the blocks run PyTorch's fused CPU attention (O(c) memory, returns the
+    log-sum-exp) rather than the tiled matmul formula (any device)."""
+    return _FLASH_CPU and q.device.type == "cpu"
+
+
+def _expand(k: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, kv, 1, c, D]`` -> ``[B, kv * groups, c, D]`` (each KV head for its query heads)."""
+    b, kv, _, c, d = k.shape
+    return k.expand(b, kv, groups, c, d).reshape(b, kv * groups, c, d)
+
+
+def _fused_args(
+    q: torch.Tensor, mask: torch.Tensor | None, diagonal: bool
+) -> tuple[bool, torch.Tensor | None]:
+    """``(is_causal, additive mask)`` for the fused kernel: the diagonal block without
+    documents is its causal mode; a document mask becomes ``[B, 1, c, c]`` of 0 / -inf."""
+    if mask is None:
+        return False, None
+    if diagonal and mask.shape[0] == 1:
+        return True, None
+    allowed = mask.reshape(mask.shape[0], 1, mask.shape[-2], mask.shape[-1])
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    return False, bias.masked_fill(~allowed, float("-inf"))
+
+
+def _fused_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    diagonal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_block_forward` through ``aten._scaled_dot_product_flash_attention_for_cpu``."""
+    b, kv, g, n, d = q.shape
+    is_causal, bias = _fused_args(q, mask, diagonal)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.reshape(b, kv * g, n, d),
+        _expand(k, g),
+        _expand(v, g),
+        0.0,
+        is_causal,
+        attn_mask=bias,
+        scale=scale,
+    )
+    if bias is not None:  # rows with no key of their document here: no weight in the merge
+        assert mask is not None
+        rows = mask.reshape(mask.shape[0], 1, n, -1).any(-1)
+        lse = lse.masked_fill(~rows, float("-inf"))
+    return out.view(b, kv, g, n, d), lse.to(q.dtype).view(b, kv, g, n)
+
+
+def _fused_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    diagonal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's dq and (summed over query groups) dk, dv, given the *final* output and
+    log-sum-exp of the rows (FlashAttention's backward recomputes the block's probabilities
+    from them, so each block contributes its exact share)."""
+    b, kv, g, n, d = q.shape
+    c = k.shape[3]
+    is_causal, bias = _fused_args(q, mask, diagonal)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.reshape(b, kv * g, n, d),
+        q.reshape(b, kv * g, n, d),
+        _expand(k, g),
+        _expand(v, g),
+        out.reshape(b, kv * g, n, d),
+        lse.reshape(b, kv * g, n),
+        0.0,
+        is_causal,
+        attn_mask=bias,
+        scale=scale,
+    )
+    return (
+        dq.view(b, kv, g, n, d),
+        dk.view(b, kv, g, c, d).sum(2, keepdim=True),
+        dv.view(b, kv, g, c, d).sum(2, keepdim=True),
+    )
+
+
 def _merge(
     out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,6 +392,15 @@ def _ring_forward(
                 skip, mask = _block_mask(qc, kc, c, causal, q_doc[a], k_doc[b], q.device)
                 if skip:
                     continue
+                if _fused(q):
+                    rows = slice(a * c, (a + 1) * c)
+                    blk_out, blk_lse = _fused_forward(
+                        q[..., rows, :], k_pieces[b], v_pieces[b], scale, mask, qc == kc
+                    )
+                    out[..., rows, :], lse[..., rows] = _merge(
+                        out[..., rows, :], lse[..., rows], blk_out, blk_lse
+                    )
+                    continue
                 for lo, hi in _tiles(c):  # bounded score memory: ROW_TILE x c per head
                     rows = slice(a * c + lo, a * c + hi)
                     tile_mask = None if mask is None else mask[..., lo:hi, :]
@@ -363,6 +464,23 @@ def _ring_backward(
                     continue
                 cols = slice(b * c, (b + 1) * c)
                 kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
+                if _fused(q):
+                    rows = slice(a * c, (a + 1) * c)
+                    dq_b, dk_b, dv_b = _fused_backward(
+                        grad_out[..., rows, :],
+                        q[..., rows, :],
+                        kb,
+                        vb,
+                        out[..., rows, :],
+                        safe_lse[..., rows],
+                        scale,
+                        mask,
+                        qc == kc,
+                    )
+                    dq[..., rows, :] += dq_b
+                    local[0][..., cols, :] += dk_b
+                    local[1][..., cols, :] += dv_b
+                    continue
                 for lo, hi in _tiles(c):
                     rows = slice(a * c + lo, a * c + hi)
                     tile_mask = None if mask is None else mask[..., lo:hi, :]

@@ -71,15 +71,21 @@ def _case(mesh: Any, case: Case) -> dict[str, float]:
     return errors
 
 
-def kernel_world(cases: list[Case]) -> dict[Case, dict[str, float]]:
+def kernel_world(cases: list[Case]) -> dict[tuple[Case, str], dict[str, float]]:
+    """Every case through both block paths: PyTorch's fused CPU attention and the tiled
+    formula (in row tiles of 3, so blocks of 4-6 rows are cut unevenly)."""
     from slipstream.distributed.mesh import ParallelDims, build_mesh
     from slipstream.sequence import ring
 
     world = dist.get_world_size()
     mesh = build_mesh(ParallelDims(world_size=world, sp=world), "cpu")
-    if world == 2:  # blocks of 4-6 rows computed in uneven row tiles
-        ring.ROW_TILE = 3
-    return {case: _case(mesh, case) for case in cases}
+    out = {}
+    fused = ring._FLASH_CPU
+    for path in ("fused", "tiled"):
+        ring._FLASH_CPU = fused and path == "fused"
+        ring.ROW_TILE = 3 if path == "tiled" else 1024
+        out.update({(case, path): _case(mesh, case) for case in cases})
+    return out
 
 
 # ------------------------------------------------------ training: HF causal LMs and the GPT
