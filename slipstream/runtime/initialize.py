@@ -158,7 +158,9 @@ def initialize(
             from slipstream.sequence.hf import is_hf_attention_model
 
             # A Hugging Face causal LM: labels shifted on the full sequence, global positions.
-            shard = shard_causal_lm_batch if is_hf_attention_model(model) else None
+            shard: Callable[[Any, int, int], Any] | None = (
+                shard_causal_lm_batch if is_hf_attention_model(model) else None
+            )
             if cfg.sequence_parallel_mode == "ring":  # the zig-zag layout
                 shard = _ring_shard(cfg, is_hf_attention_model(model))
             collate_fn = SequenceShardCollate(mesh.get_group("sp"), collate_fn, shard=shard)
