@@ -42,15 +42,34 @@ inputs). Through :mod:`slipstream.distributed.comm` (counted as ``sp.ring_kv`` /
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from slipstream.distributed import comm
 from slipstream.sequence._autograd import all_to_all_dims
+from slipstream.sequence._ring_blocks import (
+    _acc_dtype,
+    _block_forward,
+    _block_mask,
+    _fused,
+    _fused_backward,
+    _fused_forward,
+    _merge,
+    _scores,
+    _tiles,
+)
+from slipstream.sequence.zigzag import (
+    check_length,
+    doc_starts,
+    sequence_shard_indices,
+    shard_batch_zigzag,
+    shard_sequence_zigzag,
+    unshard_sequence_zigzag,
+)
 
 __all__ = [
+    "check_length",
     "doc_starts",
     "ring_attention",
     "ring_attention_heads_first",
@@ -60,258 +79,6 @@ __all__ = [
     "unshard_sequence_zigzag",
     "usp_attention",
 ]
-
-
-# ---------------------------------------------------------------------------------- layout
-def check_length(seq_len: int, ring_size: int, ulysses_size: int = 1) -> None:
-    """Raise ``ValueError`` when ``seq_len`` cannot be split into ``2 * ring_size`` chunks
-    whose pairs split again into ``ulysses_size`` parts."""
-    if seq_len % (2 * ring_size) or (seq_len // ring_size) % ulysses_size:
-        step = math.lcm(2 * ring_size, ring_size * ulysses_size)
-        raise ValueError(
-            f"ring attention: a sequence of {seq_len} tokens cannot be split into "
-            f"{2 * ring_size} zig-zag chunks (ring size {ring_size}, Ulysses size "
-            f"{ulysses_size}); pad it to a multiple of {step} (labels = -100 on the padding: "
-            "slipstream.sequence.shard_causal_lm_batch_ring pads for you)"
-        )
-
-
-def sequence_shard_indices(
-    seq_len: int, ring_size: int, sp_rank: int, ulysses_size: int = 1, device: Any = None
-) -> torch.Tensor:
-    """The global token indices (in order) held by ``sp_rank`` of ``ring_size * ulysses_size``
-    ranks: ring piece ``i = sp_rank // ulysses_size`` (chunks ``i`` and ``2R-1-i``), part
-    ``sp_rank % ulysses_size`` of it."""
-    check_length(seq_len, ring_size, ulysses_size)
-    chunk = seq_len // (2 * ring_size)
-    i, j = divmod(sp_rank, ulysses_size)
-    piece = torch.cat(
-        [
-            torch.arange(i * chunk, (i + 1) * chunk, device=device),
-            torch.arange(
-                (2 * ring_size - 1 - i) * chunk, (2 * ring_size - i) * chunk, device=device
-            ),
-        ]
-    )
-    part = piece.numel() // ulysses_size
-    return piece[j * part : (j + 1) * part]
-
-
-def shard_sequence_zigzag(
-    x: torch.Tensor, ring_size: int, sp_rank: int, dim: int = 1, ulysses_size: int = 1
-) -> torch.Tensor:
-    """``sp_rank``'s tokens of ``x`` along ``dim`` (see :func:`sequence_shard_indices`)."""
-    idx = sequence_shard_indices(x.shape[dim], ring_size, sp_rank, ulysses_size, x.device)
-    return x.index_select(dim, idx)
-
-
-def shard_batch_zigzag(
-    batch: Any, sp_world_size: int, sp_rank: int, *, ring_size: int | None = None, seq_dim: int = 1
-) -> Any:
-    """Every tensor of ``batch`` (dicts, lists and tuples walked) cut to ``sp_rank``'s tokens
-    along ``seq_dim`` in the zig-zag layout (ring of ``ring_size``, default all ranks; Ulysses
-    degree ``sp_world_size // ring_size``); tensors with fewer dims are kept whole.
-
-    Raises:
-        ValueError: a length the layout cannot split (names the multiple to pad to).
-    """
-    ring = ring_size or sp_world_size
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() <= seq_dim:
-            return batch
-        return shard_sequence_zigzag(batch, ring, sp_rank, seq_dim, sp_world_size // ring)
-    if isinstance(batch, dict):
-        return {
-            k: shard_batch_zigzag(v, sp_world_size, sp_rank, ring_size=ring, seq_dim=seq_dim)
-            for k, v in batch.items()
-        }
-    if isinstance(batch, (list, tuple)):
-        items = [
-            shard_batch_zigzag(v, sp_world_size, sp_rank, ring_size=ring, seq_dim=seq_dim)
-            for v in batch
-        ]
-        return type(batch)(items) if isinstance(batch, list) else tuple(items)
-    return batch
-
-
-def unshard_sequence_zigzag(
-    shards: list[torch.Tensor], ring_size: int, dim: int = 1, ulysses_size: int = 1
-) -> torch.Tensor:
-    """The inverse of :func:`shard_sequence_zigzag`: the full tensor from every rank's shard
-    (in sp rank order)."""
-    seq_len = sum(s.shape[dim] for s in shards)
-    out = torch.empty_like(torch.cat(shards, dim))
-    for rank, shard in enumerate(shards):
-        idx = sequence_shard_indices(seq_len, ring_size, rank, ulysses_size, shard.device)
-        out.index_copy_(dim, idx, shard)
-    return out
-
-
-def doc_starts(position_ids: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
-    """For packed rows whose position ids restart at 0 for each document: the global index
-    of the first token of each token's document (``token_index - position_ids``); tokens
-    attend only to tokens with the same value. ``token_index``: the global index of each
-    position (``[S]`` or ``[B, S]``)."""
-    return (token_index.to(position_ids.device) - position_ids).long()
-
-
-# ---------------------------------------------------------------------------------- blocks
-ROW_TILE = 1024
-"""Query rows per score tile: a block's scores are computed ``ROW_TILE`` rows at a time, so
-the transient score memory is ``ROW_TILE x S/(2R)`` per head, not ``(S/(2R))^2``."""
-
-
-def _tiles(rows: int) -> list[tuple[int, int]]:
-    return [(lo, min(rows, lo + ROW_TILE)) for lo in range(0, rows, ROW_TILE)]
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _block_mask(
-    qc: int,
-    kc: int,
-    chunk: int,
-    causal: bool,
-    q_doc: torch.Tensor | None,
-    k_doc: torch.Tensor | None,
-    device: torch.device,
-) -> tuple[bool, torch.Tensor | None]:
-    """``(skip, mask)``: whether the block has no allowed pair at all, and its bool mask
-    ``[B|1, 1, 1, c, c]`` (None: every pair allowed)."""
-    if causal and kc > qc:
-        return True, None
-    mask: torch.Tensor | None = None
-    if causal and kc == qc:
-        mask = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()[None, None, None]
-    if q_doc is not None and k_doc is not None:
-        same = (q_doc[:, :, None] == k_doc[:, None, :])[:, None, None]
-        mask = same if mask is None else mask & same
-        if not bool(mask.any()):
-            return True, None
-    return False, mask
-
-
-def _scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None
-) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return s
-
-
-def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[B, kv, g, c, D]``, k/v ``[B, kv, 1, c, D]`` (accumulation dtype): the block's
-    normalized output and its log-sum-exp ``[B, kv, g, c]`` (-inf on rows with no key)."""
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.matmul(torch.exp(s - safe[..., None]), v), lse
-
-
-_FLASH_CPU = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _fused(q: torch.Tensor) -> bool:
-    """Whether the blocks run PyTorch's fused CPU attention (O(c) memory, returns the
-    log-sum-exp) rather than the tiled matmul formula (any device)."""
-    return _FLASH_CPU and q.device.type == "cpu"
-
-
-def _expand(k: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[B, kv, 1, c, D]`` -> ``[B, kv * groups, c, D]`` (each KV head for its query heads)."""
-    b, kv, _, c, d = k.shape
-    return k.expand(b, kv, groups, c, d).reshape(b, kv * groups, c, d)
-
-
-def _fused_args(
-    q: torch.Tensor, mask: torch.Tensor | None, diagonal: bool
-) -> tuple[bool, torch.Tensor | None]:
-    """``(is_causal, additive mask)`` for the fused kernel: the diagonal block without
-    documents is its causal mode; a document mask becomes ``[B, 1, c, c]`` of 0 / -inf."""
-    if mask is None:
-        return False, None
-    if diagonal and mask.shape[0] == 1:
-        return True, None
-    allowed = mask.reshape(mask.shape[0], 1, mask.shape[-2], mask.shape[-1])
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-    return False, bias.masked_fill(~allowed, float("-inf"))
-
-
-def _fused_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    mask: torch.Tensor | None,
-    diagonal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_block_forward` through ``aten._scaled_dot_product_flash_attention_for_cpu``."""
-    b, kv, g, n, d = q.shape
-    is_causal, bias = _fused_args(q, mask, diagonal)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.reshape(b, kv * g, n, d),
-        _expand(k, g),
-        _expand(v, g),
-        0.0,
-        is_causal,
-        attn_mask=bias,
-        scale=scale,
-    )
-    if bias is not None:  # rows with no key of their document here: no weight in the merge
-        assert mask is not None
-        rows = mask.reshape(mask.shape[0], 1, n, -1).any(-1)
-        lse = lse.masked_fill(~rows, float("-inf"))
-    return out.view(b, kv, g, n, d), lse.to(q.dtype).view(b, kv, g, n)
-
-
-def _fused_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    mask: torch.Tensor | None,
-    diagonal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A block's dq and (summed over query groups) dk, dv, given the *final* output and
-    log-sum-exp of the rows (FlashAttention's backward recomputes the block's probabilities
-    from them, so each block contributes its exact share)."""
-    b, kv, g, n, d = q.shape
-    c = k.shape[3]
-    is_causal, bias = _fused_args(q, mask, diagonal)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.reshape(b, kv * g, n, d),
-        q.reshape(b, kv * g, n, d),
-        _expand(k, g),
-        _expand(v, g),
-        out.reshape(b, kv * g, n, d),
-        lse.reshape(b, kv * g, n),
-        0.0,
-        is_causal,
-        attn_mask=bias,
-        scale=scale,
-    )
-    return (
-        dq.view(b, kv, g, n, d),
-        dk.view(b, kv, g, c, d).sum(2, keepdim=True),
-        dv.view(b, kv, g, c, d).sum(2, keepdim=True),
-    )
-
-
-def _merge(
-    out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    new = torch.logaddexp(lse, blk_lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    out = out * torch.exp(lse - safe)[..., None] + blk_out * torch.exp(blk_lse - safe)[..., None]
-    return out, new
 
 
 class _Ring:

@@ -75,7 +75,7 @@ def kernel_world(cases: list[Case]) -> dict[tuple[Case, str], dict[str, float]]:
     """Every case through both block paths: PyTorch's fused CPU attention and the tiled
     formula (in row tiles of 3, so blocks of 4-6 rows are cut unevenly)."""
     from slipstream.distributed.mesh import ParallelDims, build_mesh
-    from slipstream.sequence import ring
+    from slipstream.sequence import _ring_blocks as ring
 
     world = dist.get_world_size()
     mesh = build_mesh(ParallelDims(world_size=world, sp=world), "cpu")
