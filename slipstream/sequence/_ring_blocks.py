@@ -25,25 +25,36 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _block_mask(
     qc: int,
     kc: int,
-    chunk: int,
     causal: bool,
     q_doc: torch.Tensor | None,
     k_doc: torch.Tensor | None,
-    device: torch.device,
-) -> tuple[bool, torch.Tensor | None]:
-    """``(skip, mask)``: whether the block has no allowed pair at all, and its bool mask
-    ``[B|1, 1, 1, c, c]`` (None: every pair allowed)."""
+) -> tuple[bool, torch.Tensor | None, bool]:
+    """``(skip, doc_mask, diagonal)``: whether the block has no allowed pair at all; the bool
+    same-document mask ``[B, 1, 1, c, c]`` of packed rows (None without documents); whether
+    it is a diagonal block under the causal mask (the causal triangle is never materialized
+    for the fused kernel, and per row tile for the formula: :func:`tile_mask`)."""
     if causal and kc > qc:
-        return True, None
-    mask: torch.Tensor | None = None
-    if causal and kc == qc:
-        mask = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()[None, None, None]
-    if q_doc is not None and k_doc is not None:
-        same = (q_doc[:, :, None] == k_doc[:, None, :])[:, None, None]
-        mask = same if mask is None else mask & same
-        if not bool(mask.any()):
-            return True, None
-    return False, mask
+        return True, None, False
+    diagonal = causal and kc == qc
+    if q_doc is None or k_doc is None:
+        return False, None, diagonal
+    same = (q_doc[:, :, None] == k_doc[:, None, :])[:, None, None]
+    if diagonal:
+        same = same & torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+    if not bool(same.any()):
+        return True, None, False
+    return False, same, diagonal
+
+
+def tile_mask(
+    doc_mask: torch.Tensor | None, diagonal: bool, lo: int, hi: int, cols: int, device: torch.device
+) -> torch.Tensor | None:
+    """The bool mask of query rows ``lo:hi`` of a block (None: every pair allowed)."""
+    mask = None if doc_mask is None else doc_mask[..., lo:hi, :]
+    if diagonal and mask is None:
+        rows = torch.arange(lo, hi, device=device)[:, None]
+        mask = rows >= torch.arange(cols, device=device)[None, :]
+    return mask
 
 
 def _scores(
@@ -84,12 +95,11 @@ def _expand(k: torch.Tensor, groups: int) -> torch.Tensor:
 def _fused_args(
     q: torch.Tensor, mask: torch.Tensor | None, diagonal: bool
 ) -> tuple[bool, torch.Tensor | None]:
-    """``(is_causal, additive mask)`` for the fused kernel: the diagonal block without
-    documents is its causal mode; a document mask becomes ``[B, 1, c, c]`` of 0 / -inf."""
+    """``(is_causal, additive mask)`` for the fused kernel: a diagonal block without documents
+    is its causal mode; a document mask (already causal on the diagonal) becomes
+    ``[B, 1, c, c]`` of 0 / -inf."""
     if mask is None:
-        return False, None
-    if diagonal and mask.shape[0] == 1:
-        return True, None
+        return diagonal, None
     allowed = mask.reshape(mask.shape[0], 1, mask.shape[-2], mask.shape[-1])
     bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
     return False, bias.masked_fill(~allowed, float("-inf"))

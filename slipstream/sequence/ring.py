@@ -58,6 +58,7 @@ from slipstream.sequence._ring_blocks import (
     _merge,
     _scores,
     _tiles,
+    tile_mask,
 )
 from slipstream.sequence.zigzag import (
     check_length,
@@ -156,13 +157,13 @@ def _ring_forward(
         k_doc = _pieces(kv_doc, c, 1)
         for a, qc in enumerate(my_chunks):
             for b, kc in enumerate(ring.chunks(ring.source(step))):
-                skip, mask = _block_mask(qc, kc, c, causal, q_doc[a], k_doc[b], q.device)
+                skip, mask, diagonal = _block_mask(qc, kc, causal, q_doc[a], k_doc[b])
                 if skip:
                     continue
                 if _fused(q):
                     rows = slice(a * c, (a + 1) * c)
                     blk_out, blk_lse = _fused_forward(
-                        q[..., rows, :], k_pieces[b], v_pieces[b], scale, mask, qc == kc
+                        q[..., rows, :], k_pieces[b], v_pieces[b], scale, mask, diagonal
                     )
                     out[..., rows, :], lse[..., rows] = _merge(
                         out[..., rows, :], lse[..., rows], blk_out, blk_lse
@@ -170,9 +171,9 @@ def _ring_forward(
                     continue
                 for lo, hi in _tiles(c):  # bounded score memory: ROW_TILE x c per head
                     rows = slice(a * c + lo, a * c + hi)
-                    tile_mask = None if mask is None else mask[..., lo:hi, :]
+                    tile = tile_mask(mask, diagonal, lo, hi, c, q.device)
                     blk_out, blk_lse = _block_forward(
-                        q[..., rows, :], k_pieces[b], v_pieces[b], scale, tile_mask
+                        q[..., rows, :], k_pieces[b], v_pieces[b], scale, tile
                     )
                     out[..., rows, :], lse[..., rows] = _merge(
                         out[..., rows, :], lse[..., rows], blk_out, blk_lse
@@ -226,7 +227,7 @@ def _ring_backward(
         k_doc = _pieces(kv_doc, c, 1)
         for a, qc in enumerate(my_chunks):
             for b, kc in enumerate(ring.chunks(ring.source(step))):
-                skip, mask = _block_mask(qc, kc, c, causal, q_doc[a], k_doc[b], q.device)
+                skip, mask, diagonal = _block_mask(qc, kc, causal, q_doc[a], k_doc[b])
                 if skip:
                     continue
                 cols = slice(b * c, (b + 1) * c)
@@ -242,7 +243,7 @@ def _ring_backward(
                         safe_lse[..., rows],
                         scale,
                         mask,
-                        qc == kc,
+                        diagonal,
                     )
                     dq[..., rows, :] += dq_b
                     local[0][..., cols, :] += dk_b
@@ -250,8 +251,8 @@ def _ring_backward(
                     continue
                 for lo, hi in _tiles(c):
                     rows = slice(a * c + lo, a * c + hi)
-                    tile_mask = None if mask is None else mask[..., lo:hi, :]
-                    s = _scores(q[..., rows, :], kb, scale, tile_mask)
+                    tile = tile_mask(mask, diagonal, lo, hi, c, q.device)
+                    s = _scores(q[..., rows, :], kb, scale, tile)
                     p = torch.exp(s - safe_lse[..., rows, None])
                     do = grad_out[..., rows, :]
                     local[1][..., cols, :] += torch.matmul(p.transpose(-1, -2), do).sum(
