@@ -60,3 +60,20 @@ def test_zigzag_layout():
         sequence_shard_indices(10, 2, 0, ulysses_size=2)
     with pytest.raises(ValueError, match="pad it to a multiple of 12"):
         sequence_shard_indices(16, 2, 0, ulysses_size=3)
+
+
+def test_ring_config_keys_are_checked():
+    """sequence_parallel_ring_size needs ring mode and must divide sequence_parallel_size;
+    an unknown mode is refused by the schema."""
+    from slipstream.config import ConfigError
+    from slipstream.config.loader import parse_config
+
+    base = {"train_batch_size": 1, "sequence_parallel_size": 4}
+    cfg = parse_config(dict(base, sequence_parallel_mode="ring", sequence_parallel_ring_size=2))
+    assert (cfg.sequence_parallel_mode, cfg.sequence_parallel_ring_size) == ("ring", 2)
+    with pytest.raises(ConfigError, match="needs sequence_parallel_mode 'ring'"):
+        parse_config(dict(base, sequence_parallel_ring_size=2))
+    with pytest.raises(ConfigError, match="= 3 does not divide sequence_parallel_size = 4"):
+        parse_config(dict(base, sequence_parallel_mode="ring", sequence_parallel_ring_size=3))
+    with pytest.raises(Exception, match="sequence_parallel_mode"):
+        parse_config(dict(base, sequence_parallel_mode="context"))
