@@ -549,12 +549,32 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
     if cfg.fp16.fp16_master_weights_and_grads:
         raise ConfigError("fp16.fp16_master_weights_and_grads is not implemented yet; remove it")
     _check_nonfinite_policy(cfg)
+    _check_sequence_parallel_mode(cfg)
     bf16 = cfg.bf16
     if bf16.bf16_optimizer_states != bf16.bf16_master_weights_and_grads:
         raise ConfigError(
             f"bf16.bf16_master_weights_and_grads = {bf16.bf16_master_weights_and_grads} and "
             f"bf16.bf16_optimizer_states = {bf16.bf16_optimizer_states}: slipstream's optimizers "
             "keep their states in the master-weight dtype, so set both to the same value"
+        )
+
+
+def _check_sequence_parallel_mode(cfg: SlipstreamConfig) -> None:
+    """``sequence_parallel_ring_size`` against the mode and ``sequence_parallel_size``."""
+    ring, sp = cfg.sequence_parallel_ring_size, cfg.sequence_parallel_size
+    if ring is None:
+        return
+    if cfg.sequence_parallel_mode != "ring":
+        raise ConfigError(
+            f"config key 'sequence_parallel_ring_size' = {ring} needs "
+            f"sequence_parallel_mode 'ring', but it is {cfg.sequence_parallel_mode!r}: set "
+            '"sequence_parallel_mode": "ring" or remove sequence_parallel_ring_size'
+        )
+    if sp % ring:
+        raise ConfigError(
+            f"config key 'sequence_parallel_ring_size' = {ring} does not divide "
+            f"sequence_parallel_size = {sp}: choose a divisor of it (the Ulysses degree is "
+            "sequence_parallel_size / sequence_parallel_ring_size)"
         )
 
 

@@ -215,6 +215,15 @@ class SlipstreamConfig(StrictModel):
     sequence_parallel_size: int = Field(1, ge=1)
     """Ranks that share one sequence (Ulysses or LSS attention, ``slipstream.sequence``);
     must divide the world size. ZeRO shards over the data- and sequence-parallel ranks."""
+    sequence_parallel_mode: Literal["ulysses", "ring"] = "ulysses"
+    """(slipstream) How the ``sequence_parallel_size`` ranks attend over the sharded sequence:
+    "ulysses" (all-to-all over heads; heads must split over the ranks) or "ring" (ring
+    attention / context parallelism with a zig-zag split, any head count; Ulysses x ring when
+    ``sequence_parallel_ring_size`` is smaller than ``sequence_parallel_size``)."""
+    sequence_parallel_ring_size: int | None = Field(None, ge=1)
+    """(slipstream) With ``sequence_parallel_mode: "ring"``: the ranks of one ring (must divide
+    ``sequence_parallel_size``; the rest is the Ulysses degree inside each ring step, USP).
+    None: the whole ``sequence_parallel_size`` (pure ring)."""
     data_parallel_size: int | None = Field(None, ge=1)
     """Data-parallel size; None (or "auto") takes world / (sp x tp x pp). A number must equal
     it: the mesh is fully determined by the other sizes, this key only double-checks it."""

@@ -24,6 +24,7 @@ __all__ = [
     "dp_group",
     "dp_sp_group",
     "member_group",
+    "sp_ring_groups",
 ]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
@@ -138,3 +139,22 @@ def consecutive_group(size: int, axis: str) -> comm.Group:
         [list(range(start, start + size)) for start in range(0, world, size)], axis
     )
     return None if found is None else found[0]
+
+
+def sp_ring_groups(mesh: DeviceMesh, ring_size: int) -> tuple[comm.Group, comm.Group]:
+    """``(ulysses, ring)``: the ``sp`` axis of ``mesh`` unflattened into ``sp_ring`` (outer,
+    ``ring_size`` ranks) x ``sp_ulysses`` (inner, consecutive ranks), for Ulysses x ring
+    attention (``slipstream.sequence.ring``). Both are groups of the mesh, a group of one
+    rank included.
+
+    A collective call (every rank of the world makes it). ``ring_size`` must divide the
+    ``sp`` axis size (the config checks it, naming the key).
+    """
+    sp = mesh["sp"].size()
+    if ring_size < 1 or sp % ring_size:
+        raise ValueError(f"ring size {ring_size} does not divide the sp axis size {sp}")
+    sub = mesh._unflatten("sp", (ring_size, sp // ring_size), ("sp_ring", "sp_ulysses"))
+    ulysses, ring = sub.get_group("sp_ulysses"), sub.get_group("sp_ring")
+    comm.register_axis(ulysses, "sp_ulysses")
+    comm.register_axis(ring, "sp_ring")
+    return ulysses, ring

@@ -111,9 +111,11 @@ class GPTConfig:
     """Sequence-parallel attention once the model's sequence-parallel plan is applied
     (``slipstream.initialize`` with ``sequence_parallel_size > 1``, or
     ``slipstream.sequence.parallelize_sequence_``):
-    "ulysses" (all-to-all, heads divisible by the sp size) or "lss" (all-gathered K/V).
-    Inputs are then this rank's sequence segment; RoPE positions are offset by its start and
-    the loss is the global mean. None, or no plan applied: an ordinary model."""
+    "ulysses" (all-to-all, heads divisible by the sp size), "lss" (all-gathered K/V) or
+    "ring" (zig-zag ring attention, any head count; the config's
+    ``sequence_parallel_mode: "ring"`` cuts the batches zig-zag). Inputs are then this rank's
+    sequence segment; RoPE positions follow its place in the sequence and the loss is the
+    global mean. None, or no plan applied: an ordinary model."""
     moe: GPTMoEConfig | None = None
     """Mixture of experts: every ``moe.every``-th block's MLP becomes an MoE layer
     (``slipstream.models.gpt_moe``); its auxiliary losses are added to the loss. None: dense."""
@@ -151,10 +153,10 @@ class GPTConfig:
             raise ConfigError(
                 f"GPTConfig.norm_eps={self.norm_eps} must be > 0; the usual value is 1e-5"
             )
-        if self.sequence_parallel not in (None, "ulysses", "lss"):
+        if self.sequence_parallel not in (None, "ulysses", "lss", "ring"):
             raise ConfigError(
                 f"GPTConfig.sequence_parallel={self.sequence_parallel!r} is not a sequence-"
-                "parallel attention; use 'ulysses', 'lss' or None"
+                "parallel attention; use 'ulysses', 'lss', 'ring' or None"
             )
         if self.moe is not None and self.activation_checkpointing:
             raise ConfigError(
@@ -480,8 +482,13 @@ class GPT(nn.Module):
                 "larger max_seq_len"
             )
         x = self.embed_dropout(self.embed_tokens(input_ids))
-        cos = self.rope_cos[start : start + t].to(x.dtype)
-        sin = self.rope_sin[start : start + t].to(x.dtype)
+        indices = getattr(self.positions, "indices", None)
+        if indices is not None:  # ring attention: this rank's zig-zag positions
+            where = indices(t, self.rope_cos.device)
+            cos, sin = self.rope_cos[where].to(x.dtype), self.rope_sin[where].to(x.dtype)
+        else:
+            cos = self.rope_cos[start : start + t].to(x.dtype)
+            sin = self.rope_sin[start : start + t].to(x.dtype)
         checkpointed = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpointed:

@@ -31,6 +31,7 @@ from slipstream.sequence import (
     SequenceParallelOutput,
     ShardedSequence,
     SPPlan,
+    ZigZagSequence,
 )
 
 __all__ = ["gpt_sp_plan", "gpt_tp_plan"]
@@ -94,11 +95,14 @@ def gpt_sp_plan(
             "this GPT was built with GPTConfig.sequence_parallel=None: set it to "
             "'ulysses' or 'lss' to train with sequence parallelism"
         )
-    kind: Literal["ulysses", "lss"] = "lss" if method == "lss" else "ulysses"
+    kind: Literal["ulysses", "lss", "ring"] = (
+        "lss" if method == "lss" else "ring" if method == "ring" else "ulysses"
+    )
     plan = SPPlan()
     for name, _ in model.named_modules():
         if name.endswith(".attn.core"):
             plan.replace[name] = SequenceParallelAttention(kind, sp_group, dropout)
-    plan.replace["positions"] = ShardedSequence(sp_group)
+    positions = ZigZagSequence if kind == "ring" else ShardedSequence
+    plan.replace["positions"] = positions(sp_group)
     plan.replace["output"] = SequenceParallelOutput(sp_group)
     return plan

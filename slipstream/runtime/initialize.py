@@ -6,6 +6,7 @@ This is the thin facade of DESIGN.md: it parses the config once, builds the mesh
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -168,7 +169,11 @@ def initialize(
             from slipstream.sequence.hf import is_hf_attention_model
 
             # A Hugging Face causal LM: labels shifted on the full sequence, global positions.
-            shard = shard_causal_lm_batch if is_hf_attention_model(model) else None
+            shard: Callable[[Any, int, int], Any] | None = (
+                shard_causal_lm_batch if is_hf_attention_model(model) else None
+            )
+            if cfg.sequence_parallel_mode == "ring":  # the zig-zag layout
+                shard = _ring_shard(cfg, is_hf_attention_model(model))
             collate_fn = SequenceShardCollate(mesh.get_group("sp"), collate_fn, shard=shard)
         loader = build_dataloader(
             training_data,
@@ -198,6 +203,15 @@ def initialize(
         cfg.batch,
     )
     return engine, zero_opt, loader, scheduler
+
+
+def _ring_shard(cfg: SlipstreamConfig, hf: bool) -> Callable[[Any, int, int], Any]:
+    """The batch cut of ring attention: zig-zag, labels shifted first for a HF causal LM."""
+    from slipstream.sequence import shard_batch_zigzag, shard_causal_lm_batch_ring
+
+    ring = cfg.sequence_parallel_ring_size or cfg.sequence_parallel_size
+    fn = shard_causal_lm_batch_ring if hf else shard_batch_zigzag
+    return functools.partial(fn, ring_size=ring)
 
 
 def _memory_estimator(

@@ -3,7 +3,8 @@
 1. Tensor parallelism splits each layer's matrices over the ``tp`` axis (the model-parallel
    RNG streams are seeded first, so dropout in the split regions differs per TP rank while
    the replicated regions stay equal).
-2. Sequence parallelism (Ulysses / LSS) binds the attention to the ``sp`` axis.
+2. Sequence parallelism (Ulysses / LSS / ring) binds the attention to the ``sp`` axis
+   (ring: its ``sp_ring`` x ``sp_ulysses`` unflattening).
 3. Activation checkpointing is configured with the TP group, which partitioned activations
    and the RNG replay need.
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from slipstream.config import SlipstreamConfig
 from slipstream.distributed import comm
-from slipstream.distributed.mesh import DeviceMesh
+from slipstream.distributed.mesh import DeviceMesh, sp_ring_groups
 from slipstream.parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from slipstream.parallel.recompute import RecomputeContext, use_recompute_context_
 from slipstream.parallel.tensor import parallelize_tp_
@@ -55,7 +56,11 @@ def parallelize_(model: nn.Module, cfg: SlipstreamConfig, mesh: DeviceMesh) -> N
             rng_tracker=rng_tracker,
         )
     if sp is not None:
-        parallelize_sequence_(model, sp)
+        ring_groups = None
+        if cfg.sequence_parallel_mode == "ring":
+            ring = cfg.sequence_parallel_ring_size or cfg.sequence_parallel_size
+            ring_groups = sp_ring_groups(mesh, ring)
+        parallelize_sequence_(model, sp, ring_groups)
     if (
         mesh["pp"].size() > 1
         or tp is not None

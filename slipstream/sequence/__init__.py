@@ -10,6 +10,10 @@
 * :func:`install_hf_ulysses_` / :func:`shard_causal_lm_batch`: Ulysses for Hugging Face causal
   LMs through transformers' attention registry, and the matching batch shard (labels shifted
   on the full sequence, global position ids).
+* :func:`ring_attention` / :func:`usp_attention`: ring attention (context parallelism) with a
+  zig-zag load-balanced split, alone or inside Ulysses (USP); any head count; packed
+  documents; :func:`install_hf_ring_` / :func:`shard_causal_lm_batch_ring` for Hugging Face
+  causal LMs (``sequence_parallel_mode: "ring"``).
 * :func:`parallelize_sequence_`: apply a model's sequence-parallel plan (:class:`SPPlan`, which
   swaps in :class:`SequenceParallelAttention`, :class:`ShardedSequence` and
   :class:`SequenceParallelOutput`) or bind its ``DistributedAttention`` modules to a group
@@ -24,8 +28,19 @@ from slipstream.sequence.modules import (
     SequenceParallelAttention,
     SequenceParallelOutput,
     ShardedSequence,
+    ZigZagSequence,
 )
 from slipstream.sequence.plan import SPPlan, parallelize_sequence_
+from slipstream.sequence.ring import (
+    doc_starts,
+    ring_attention,
+    sequence_shard_indices,
+    shard_batch_zigzag,
+    shard_sequence_zigzag,
+    unshard_sequence_zigzag,
+    usp_attention,
+)
+from slipstream.sequence.ring_hf import install_hf_ring_, shard_causal_lm_batch_ring
 from slipstream.sequence.ulysses import (
     DistributedAttention,
     check_heads,
@@ -40,14 +55,24 @@ __all__ = [
     "SequenceParallelOutput",
     "SequenceShardCollate",
     "ShardedSequence",
+    "ZigZagSequence",
     "check_heads",
+    "doc_starts",
     "double_average_gradients_",
+    "install_hf_ring_",
     "install_hf_ulysses_",
     "lss_attention",
     "parallelize_sequence_",
+    "ring_attention",
     "sdpa_attention",
     "sequence_parallel_cross_entropy",
+    "sequence_shard_indices",
+    "shard_batch_zigzag",
     "shard_causal_lm_batch",
+    "shard_causal_lm_batch_ring",
     "shard_sequence",
+    "shard_sequence_zigzag",
     "ulysses_attention",
+    "unshard_sequence_zigzag",
+    "usp_attention",
 ]

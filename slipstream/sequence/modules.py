@@ -23,11 +23,17 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.sequence.loss import sequence_parallel_cross_entropy
 from slipstream.sequence.lss import lss_attention
+from slipstream.sequence.ring import ring_attention_heads_first, sequence_shard_indices
 from slipstream.sequence.ulysses import ulysses_attention
 
-__all__ = ["SequenceParallelAttention", "SequenceParallelOutput", "ShardedSequence"]
+__all__ = [
+    "SequenceParallelAttention",
+    "SequenceParallelOutput",
+    "ShardedSequence",
+    "ZigZagSequence",
+]
 
-Method = Literal["ulysses", "lss"]
+Method = Literal["ulysses", "lss", "ring"]
 
 
 class SequenceParallelAttention(nn.Module):
@@ -42,9 +48,16 @@ class SequenceParallelAttention(nn.Module):
 
     def __init__(self, method: Method, sp_group: comm.Group, dropout: float = 0.0) -> None:
         super().__init__()
+        if method == "ring" and dropout:
+            raise ValueError(
+                f"ring attention has no attention dropout, but dropout={dropout}: build the "
+                "model with dropout 0 or use sequence-parallel attention 'ulysses' or 'lss'"
+            )
         self.method, self.sp_group, self.dropout = method, sp_group, dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.method == "ring":
+            return ring_attention_heads_first(q, k, v, self.sp_group).transpose(1, 2)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         if self.method == "lss":
@@ -68,6 +81,20 @@ class ShardedSequence(nn.Module):
         world = comm.get_world_size(self.sp_group)
         start = comm.get_rank(self.sp_group) * length if world > 1 else 0
         return start, length * world
+
+
+class ZigZagSequence(ShardedSequence):
+    """Where this rank's tokens sit under ring attention: chunks ``r`` and ``2P-1-r`` of
+    ``2P`` (:func:`~slipstream.sequence.ring.sequence_shard_indices`)."""
+
+    def span(self, length: int) -> tuple[int, int]:
+        return 0, length * comm.get_world_size(self.sp_group)
+
+    def indices(self, length: int, device: torch.device) -> torch.Tensor:
+        """The global positions of this rank's ``length`` local tokens."""
+        world = comm.get_world_size(self.sp_group)
+        rank = comm.get_rank(self.sp_group)
+        return sequence_shard_indices(length * world, world, rank, device=device)
 
 
 class SequenceParallelOutput(nn.Module):

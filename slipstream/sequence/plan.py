@@ -17,6 +17,8 @@ from torch import nn
 
 from slipstream.distributed import comm
 from slipstream.sequence.hf import install_hf_ulysses_, is_hf_attention_model
+from slipstream.sequence.modules import SequenceParallelAttention
+from slipstream.sequence.ring_hf import install_hf_ring_
 
 __all__ = ["SPPlan", "parallelize_sequence_"]
 
@@ -44,7 +46,36 @@ class SPPlan:
             setattr(parent, leaf, new)
 
 
-def parallelize_sequence_(model: nn.Module, sp_group: comm.Group) -> nn.Module:
+def _check_ring_plan(owner: nn.Module, plan: SPPlan, ring_groups: RingGroups | None) -> None:
+    """A plan's attention agrees with the config's ``sequence_parallel_mode``."""
+    methods = {m.method for m in plan.replace.values() if isinstance(m, SequenceParallelAttention)}
+    name = type(owner).__name__
+    if ring_groups is None and "ring" in methods:
+        raise ValueError(
+            f"{name} uses ring attention (sequence_parallel='ring') but the config's "
+            'sequence_parallel_mode is \'ulysses\': set "sequence_parallel_mode": "ring" '
+            "(the data loader then cuts batches in the zig-zag layout ring attention needs)"
+        )
+    if ring_groups is not None and methods and methods != {"ring"}:
+        raise ValueError(
+            f"sequence_parallel_mode 'ring' but {name} was built with sequence-parallel "
+            f"attention {sorted(methods)}: build it with sequence_parallel='ring' (for the "
+            "reference GPT: GPTConfig(sequence_parallel='ring'))"
+        )
+    if ring_groups is not None and comm.get_world_size(ring_groups[0]) > 1:
+        raise ValueError(
+            f"{name}: Ulysses x ring (sequence_parallel_ring_size < sequence_parallel_size) "
+            "is wired for Hugging Face models only; for this model set "
+            "sequence_parallel_ring_size to sequence_parallel_size (pure ring)"
+        )
+
+
+RingGroups = tuple[comm.Group, comm.Group]
+
+
+def parallelize_sequence_(
+    model: nn.Module, sp_group: comm.Group, ring_groups: RingGroups | None = None
+) -> nn.Module:
     """Make ``model`` run on sequence segments sharded over ``sp_group``, in place.
 
     Every submodule with an ``sp_plan(sp_group)`` method has its plan applied; every
@@ -52,6 +83,9 @@ def parallelize_sequence_(model: nn.Module, sp_group: comm.Group) -> nn.Module:
     Face model using transformers' attention registry, where neither applies, gets Ulysses
     attention, global positions and the sharded loss installed
     (``slipstream.initialize`` calls this when ``sequence_parallel_size > 1``).
+    ``ring_groups``: ``(ulysses, ring)`` groups for ring attention (``sequence_parallel_mode:
+    "ring"``; ``slipstream.distributed.mesh.sp_ring_groups``): a Hugging Face model gets ring
+    (or Ulysses x ring) attention instead of Ulysses, a plan must use ring attention.
 
     Raises:
         ValueError: no submodule takes part while the group has more than one rank (the model
@@ -70,15 +104,25 @@ def parallelize_sequence_(model: nn.Module, sp_group: comm.Group) -> nn.Module:
                 f"{type(owner).__name__}.sp_plan() returned {type(plan).__name__}, not an "
                 "SPPlan: return slipstream.sequence.SPPlan"
             )
+        _check_ring_plan(owner, plan, ring_groups)
         plan.apply_(owner)
         bound += 1
     for module in model.modules():
         setter = getattr(module, "set_sequence_parallel_group", None)
+        if callable(setter) and ring_groups is not None:
+            raise ValueError(
+                f"sequence_parallel_mode 'ring': {type(module).__name__} takes the sequence-"
+                "parallel group itself (DeepSpeed's DistributedAttention runs Ulysses); use "
+                "sequence_parallel_mode 'ulysses', or slipstream.sequence.ring_attention"
+            )
         if callable(setter):
             setter(sp_group)
             bound += 1
     if bound == 0 and comm.get_world_size(sp_group) > 1 and is_hf_attention_model(model):
-        install_hf_ulysses_(model, sp_group)
+        if ring_groups is not None:
+            install_hf_ring_(model, sp_group, *ring_groups)
+        else:
+            install_hf_ulysses_(model, sp_group)
         bound += 1
     if bound == 0 and comm.get_world_size(sp_group) > 1:
         raise ValueError(
