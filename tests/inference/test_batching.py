@@ -193,3 +193,29 @@ def test_paged_forward_logits_match_the_models_own_forward(model):
             else model(torch.tensor([ids]))
         )
     torch.testing.assert_close(torch.cat(got), want[0], rtol=0, atol=1e-4)
+
+
+def test_a_left_padded_batch_with_copies_runs_paged_with_shared_prompts(monkeypatch):
+    """The RLHF rollout path: a request of 2 prompts x 3 copies (left-padded) gives the
+    static loop's greedy output, forks each prompt's blocks for its 2 other copies, and
+    samples reproducibly from per-row generators."""
+    from slipstream.inference.generation import run as static_run
+    from slipstream.inference.paged import PagedKVCache
+    from slipstream.inference.paged_generate import paged_refusal, run_paged
+    from slipstream.inference.request import build_request
+
+    model = tiny_llama()
+    ids = torch.tensor([[0, 0, 0, 9, 17, 33], [41, 8, 12, 50, 7, 66]])
+    mask = (ids != 0).long()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=7, num_return_sequences=3)
+    forks = []
+    real_fork = PagedKVCache.fork
+    monkeypatch.setattr(PagedKVCache, "fork", lambda self, t: forks.append(1) or real_fork(self, t))
+    req = build_request(model, {**kwargs, "do_sample": False})
+    assert paged_refusal(model, req) is None
+    assert torch.equal(run_paged(model, req), static_run(model, req))
+    assert len(forks) == 4
+    sampled = [run_paged(model, build_request(model, {**kwargs, "do_sample": True, "seed": 5}))
+               for _ in range(2)]  # fmt: skip
+    assert torch.equal(sampled[0], sampled[1])
+    assert not torch.equal(sampled[0][0], sampled[0][1]), "copies draw independently"
