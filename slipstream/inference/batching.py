@@ -29,6 +29,7 @@ rounding (batch shapes change reduction order), measured below 1e-4 on the test 
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,7 +248,7 @@ class ContinuousBatchingEngine:
         if not prompt:
             raise ValueError(f"add_request {rid!r}: the prompt has no tokens")
         vocab = self.runner.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt if not _is_token(t, vocab)]
         if bad:
             raise ValueError(
                 f"add_request {rid!r}: token {bad[0]!r} is not a token id of this model "
@@ -269,6 +270,7 @@ class ContinuousBatchingEngine:
                 "max_new_tokens"
             )
         self._arrivals += 1
+        prompt = [operator.index(t) for t in prompt]
         seq = _Seq(rid, prompt, len(prompt), max_new, policy, generator, frozenset(stops),
                    min_new, self._arrivals)  # fmt: skip
         self._seqs[rid] = seq
@@ -439,6 +441,14 @@ class ContinuousBatchingEngine:
             self._running.append(seq)
             out.append((seq, self._choose(seq, logits)))
         return out
+
+
+def _is_token(t: Any, vocab: int) -> bool:
+    """An integer (Python, NumPy or a 0-d tensor) in ``[0, vocab)``."""
+    try:
+        return not isinstance(t, bool) and 0 <= operator.index(t) < vocab
+    except TypeError:
+        return False
 
 
 def _plain_greedy(seq: _Seq) -> bool:

@@ -171,6 +171,9 @@ def test_requests_that_cannot_fit_are_refused_at_add_time():
         engine.add_request("c", [7] * 4, SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="not a token id"):
         engine.add_request("d", [VOCAB], SamplingParams())
+    with pytest.raises(ValueError, match="not a token id"):
+        engine.add_request("d", [7, "8"], SamplingParams())
+    engine.add_request("e", [torch.tensor(7), 8], SamplingParams(max_new_tokens=1))  # 0-d ints
 
 
 def test_paged_forward_logits_match_the_models_own_forward(model):
