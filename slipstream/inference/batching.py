@@ -39,7 +39,7 @@ from torch import nn
 
 from slipstream.inference.paged import NoFreeBlocks, PagedKVCache
 from slipstream.inference.paged_models import runner_for
-from slipstream.models.sampling import SamplingPolicy, next_tokens
+from slipstream.models.sampling import SamplingPolicy, next_tokens, sampling_probs
 
 __all__ = ["ContinuousBatchingEngine", "RequestOutput", "SamplingParams"]
 
@@ -408,15 +408,34 @@ class ContinuousBatchingEngine:
         index = torch.tensor([i for _, i in last], device=dev)
         logits = self.runner.logits(hidden.index_select(0, index)).float()
         produced = []
-        greedy = [j for j, (s, _) in enumerate(last) if _plain_greedy(s)]
-        picks = logits[greedy].argmax(-1).tolist() if greedy else []
-        chosen = dict(zip(greedy, picks, strict=True))
+        chosen = self._plain_choices([s for s, _ in last], logits)
         for j, (seq, _) in enumerate(last):
             token = chosen[j] if j in chosen else self._choose(seq, logits[j : j + 1])
             produced.append((seq, token))
             if seq.computed == seq.prompt_len and seq.followers:
                 produced.extend(self._fork(seq, logits[j : j + 1]))
         return produced
+
+    def _plain_choices(self, seqs: list[_Seq], logits: torch.Tensor) -> dict[int, int]:
+        """Tokens of the rows without penalty or bans, batched: one argmax over the greedy
+        rows; temperature/top-k/top-p once per sampling policy, then each row's draw from its
+        own generator (the draws of :func:`next_tokens` on that row alone)."""
+        greedy: list[int] = []
+        sampled: dict[SamplingPolicy, list[int]] = {}
+        for j, seq in enumerate(seqs):
+            if seq.policy.repetition_penalty != 1.0 or seq.generated < seq.min_new:
+                continue
+            if seq.policy.do_sample:
+                sampled.setdefault(seq.policy, []).append(j)
+            else:
+                greedy.append(j)
+        chosen = dict(zip(greedy, logits[greedy].argmax(-1).tolist(), strict=True))
+        for policy, rows in sampled.items():
+            probs = sampling_probs(logits[rows], policy)
+            for k, j in enumerate(rows):
+                draw = torch.multinomial(probs[k : k + 1], 1, generator=seqs[j].generator)
+                chosen[j] = int(draw)
+        return chosen
 
     def _choose(self, seq: _Seq, logits: torch.Tensor) -> int:
         stops = sorted(seq.stops) if seq.generated < seq.min_new else []
@@ -449,14 +468,6 @@ def _is_token(t: Any, vocab: int) -> bool:
         return not isinstance(t, bool) and 0 <= operator.index(t) < vocab
     except TypeError:
         return False
-
-
-def _plain_greedy(seq: _Seq) -> bool:
-    return (
-        not seq.policy.do_sample
-        and seq.policy.repetition_penalty == 1.0
-        and seq.generated >= seq.min_new
-    )
 
 
 def _eos_ids(model: nn.Module) -> tuple[int, ...]:
