@@ -38,6 +38,12 @@ the same work.
     neither). The steps interleave: a TRL callback runs one slipstream step after each TRL
     step. TRL's step is the time from its ``on_step_begin`` to its ``on_step_end`` callback
     (generation, reference and policy forwards, backward, clipping, optimizer step).
+    slipstream runs twice per TRL step (order alternating): its rollouts on the
+    continuous-batching engine (paged KV cache, the group's copies sharing prompt blocks; the
+    default) and on the static decode loop (``hybrid_engine.rollouts = "static"``).
+    ``--eos-weight 0.8`` makes answers ragged (each ends at every token with the same small
+    probability, up to ``--grpo-new-tokens``); issue 37's goal is measured with
+    ``--parts b --group 8 --eos-weight 0.8``.
 
 (c) **slipstream's step-time breakdown** from ``GRPOMetrics`` (generation / scoring /
     training) and the hybrid engine's ``stats`` (gather, part of generation): the ZeRO-3 steps
@@ -101,6 +107,11 @@ class Options:
     """(b), (c): timed GRPO steps (after ``warmup``)."""
     warmup: int = 2
     kl_coef: float = 0.04
+    eos_weight: float = 0.0
+    """(b): > 0 makes answers ragged: EOS's LM-head weight on the constant coordinate (see
+    :func:`build_model`; 0.8: 16 answers of up to 32 tokens sampled without top-k, as both
+    trainers sample, averaged 21 tokens, from 3 to 32; the report prints both trainers' mean
+    lengths); 0: EOS never sampled."""
     lr: float = 1e-5
     threads: int = 1
     """(b): torch threads of the one process (both trainers; (a) uses cores // world)."""
@@ -114,6 +125,8 @@ class Options:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         if self.group < 2:
             raise ValueError(f"--group={self.group}: GRPO needs at least 2 answers per prompt")
+        if self.eos_weight < 0:
+            raise ValueError(f"--eos-weight={self.eos_weight} must be >= 0 (0: EOS never sampled)")
         if self.warmup < 0:
             raise ValueError(f"--warmup={self.warmup} must be >= 0")
         if self.vocab <= KEYWORD + 1:
@@ -132,7 +145,7 @@ class Options:
 # --------------------------------------------------------------------------- model and data
 
 
-def build_model(opts: Options) -> Any:
+def build_model(opts: Options, ragged: bool = False) -> Any:
     """A seeded random LLaMA whose special tokens (PAD, BOS, EOS) are never sampled.
 
     Residual dimension 0 is held at 1: the embeddings' column 0 is 1 and no attention or MLP
@@ -140,6 +153,9 @@ def build_model(opts: Options) -> Any:
     that coordinate is therefore large and positive, and the LM-head rows of the special
     tokens, ``-10`` there and 0 elsewhere, give them logits far below every other token's. So
     no answer ends early and every framework generates exactly the tokens it is asked for.
+    With ``ragged`` and ``opts.eos_weight`` > 0, EOS's row is ``eos_weight`` there instead:
+    a logit a few units above the others', so an answer ends at each token with a fixed
+    probability (ragged lengths, the same distribution for every framework).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -159,6 +175,8 @@ def build_model(opts: Options) -> Any:
         for token in _SPECIALS:
             model.lm_head.weight[token] = 0.0
             model.lm_head.weight[token, 0] = -10.0
+        if ragged and opts.eos_weight > 0:
+            model.lm_head.weight[EOS, 0] = opts.eos_weight
     model.generation_config.do_sample = False
     return model
 
@@ -282,8 +300,8 @@ def _grpo_trainer(opts: Options, engine: Any, reference: Any) -> Any:
     """slipstream's GRPO trainer with the run's group size, answer length and KL weight."""
     from slipstream.rlhf import GRPOConfig, GRPOTrainer
 
-    config = GRPOConfig(
-        group_size=opts.group, max_new_tokens=opts.grpo_new_tokens, kl_coef=opts.kl_coef
+    config = GRPOConfig(  # top-k off: TRL's GRPOConfig default (top_k=0)
+        group_size=opts.group, max_new_tokens=opts.grpo_new_tokens, kl_coef=opts.kl_coef, top_k=0
     )
     return GRPOTrainer(engine, keyword_reward, config, reference=reference)
 
@@ -330,14 +348,21 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
     import slipstream
 
     torch.set_num_threads(opts.threads)
-    model = build_model(opts)
+    model = build_model(opts, ragged=True)
     tokenizer = build_tokenizer(opts)
     model.save_pretrained(workdir / "model")  # TRL builds its reference model from a path
     tokenizer.save_pretrained(workdir / "model")
     reference = copy.deepcopy(model)
+    static_model = copy.deepcopy(model)
     n_rows = opts.prompts * opts.group
     engine, *_ = slipstream.initialize(model=model, config=engine_config(opts, 0, n_rows))
     ours = _grpo_trainer(opts, engine, reference)
+    # The same trainer with the static decode loop (the rollouts before issue 37).
+    static_engine, *_ = slipstream.initialize(
+        model=static_model, config=engine_config(opts, 0, n_rows)
+    )
+    static_engine.hybrid_engine.rollouts = "static"
+    ours_static = _grpo_trainer(opts, static_engine, reference)
     ids = random_prompts(opts, opts.prompts, seed=2000)
     texts = [" ".join(f"w{int(t)}" for t in row) for row in random_prompts(opts, 64, seed=3000)]
     total = opts.warmup + opts.steps
@@ -370,6 +395,7 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
         model_init_kwargs={"dtype": torch.float32},
     )
     ours_steps: list[dict[str, float]] = []
+    static_steps: list[dict[str, float]] = []
     trl_steps: list[float] = []
     trl_cpu: list[float] = []
 
@@ -382,7 +408,9 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             trl_steps.append(time.perf_counter() - self.start)
             trl_cpu.append(time.process_time() - self.cpu)
-            ours_steps.append(_one_grpo_step(ours, engine, ids))
+            runs = [(ours_steps, ours, engine), (static_steps, ours_static, static_engine)]
+            for steps, trainer, eng in runs if len(trl_steps) % 2 else runs[::-1]:
+                steps.append(_one_grpo_step(trainer, eng, ids))
 
     trl = TRLTrainer(
         model=str(workdir / "model"),
@@ -402,6 +430,7 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
         "trl_s": trl_steps[opts.warmup :],
         "trl_cpu_s": trl_cpu[opts.warmup :],
         "grpo": ours_steps[opts.warmup :],
+        "grpo_static": static_steps[opts.warmup :],
         "trl_version": _version("trl"),
         "trl_mean_length": lengths,
         "trl_kl": [m["kl"] for m in trl.state.log_history if "kl" in m],
@@ -460,18 +489,29 @@ def report_breakdown(title: str, steps: list[dict[str, float]]) -> list[str]:
 def report_trl(opts: Options, result: dict[str, Any]) -> list[str]:
     """(b)'s table: median wall and process-CPU seconds per step, slipstream over TRL."""
     ours = [s["step_s"] for s in result["grpo"]]
-    ours_cpu = [s["cpu_s"] for s in result["grpo"]]
     trl, trl_cpu = result["trl_s"], result["trl_cpu_s"]
     trl_len = result["trl_mean_length"]
-    wall, cpu = _median(ours) / _median(trl), _median(ours_cpu) / _median(trl_cpu)
-    return [
+    ragged = f"ragged answers (eos weight {opts.eos_weight})" if opts.eos_weight > 0 else ""
+    lines = [
         f"(b) one GRPO step, one process, {opts.threads} thread(s): {opts.prompts} prompts x "
-        f"{opts.group} answers x {opts.grpo_new_tokens} tokens, kl {opts.kl_coef}, TRL "
-        f"{result['trl_version']}, {len(ours)} interleaved steps after {opts.warmup} warm-up",
-        f"{'trainer':<11} {'median s':>9} {'cpu s':>7} {'vs TRL':>7} {'cpu vs TRL':>10}  every step (s)",
-        f"{'slipstream':<11} {_median(ours):>9.3f} {_median(ours_cpu):>7.3f} {wall:>7.2f} "
-        f"{cpu:>10.2f}  " + " ".join(f"{t:.3f}" for t in ours),
-        f"{'trl':<11} {_median(trl):>9.3f} {_median(trl_cpu):>7.3f} {1.0:>7.2f} {1.0:>10.2f}  "
+        f"{opts.group} answers x up to {opts.grpo_new_tokens} tokens {ragged}, kl "
+        f"{opts.kl_coef}, TRL {result['trl_version']}, {len(ours)} interleaved steps after "
+        f"{opts.warmup} warm-up",
+        f"{'trainer':<18} {'median s':>9} {'cpu s':>7} {'vs TRL':>7} {'cpu vs TRL':>10}  every step (s)",
+    ]
+    for name, key in (("slipstream paged", "grpo"), ("slipstream static", "grpo_static")):
+        wall_s = [s["step_s"] for s in result.get(key, [])]
+        cpu_s = [s["cpu_s"] for s in result.get(key, [])]
+        if not wall_s:
+            continue
+        wall, cpu = _median(wall_s) / _median(trl), _median(cpu_s) / _median(trl_cpu)
+        lines.append(
+            f"{name:<18} {_median(wall_s):>9.3f} {_median(cpu_s):>7.3f} {wall:>7.2f} "
+            f"{cpu:>10.2f}  " + " ".join(f"{t:.3f}" for t in wall_s)
+        )
+    return [
+        *lines,
+        f"{'trl':<18} {_median(trl):>9.3f} {_median(trl_cpu):>7.3f} {1.0:>7.2f} {1.0:>10.2f}  "
         + " ".join(f"{t:.3f}" for t in trl),
         "per-step wall ratios slipstream/TRL: "
         + " ".join(f"{a / b:.2f}" for a, b in zip(ours, trl))
@@ -538,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += report_trl(opts, trl)
         if "c" in parts:
             breakdown += report_breakdown("(c) slipstream GRPO, ZeRO-0, one process", trl["grpo"])
+            breakdown += report_breakdown("(c) the same, static rollouts", trl["grpo_static"])
     record["load_after"] = os.getloadavg()
     print("\n".join(lines + breakdown))
     print(f"load average after {record['load_after'][0]:.2f}")

@@ -14,6 +14,7 @@ from benchmarks.rlhf import (
     keyword_reward,
     keyword_reward_text,
     parse_args,
+    report_trl,
 )
 
 
@@ -35,6 +36,7 @@ def test_defaults_parse_and_every_part_is_selected() -> None:
         (["--steps", "0"], "--steps=0"),
         (["--hidden", "120"], "--hidden=120"),
         (["--warmup", "-1"], "--warmup=-1"),
+        (["--eos-weight", "-1"], "--eos-weight=-1"),
     ],
 )
 def test_bad_arguments_exit_with_the_flag_named(
@@ -51,3 +53,22 @@ def test_the_two_reward_functions_agree() -> None:
     answers = [[KEYWORD, 9], [9, 10], [10, KEYWORD + 10]]
     texts = [" ".join(f"w{t}" for t in a) for a in answers]
     assert keyword_reward([], answers) == keyword_reward_text([], texts) == [1.0, 0.0, 0.0]
+
+
+def test_the_grpo_report_compares_both_rollouts_with_trl() -> None:
+    """(b)'s table from recorded steps: paged and static rollouts, each over TRL."""
+    step = {"step_s": 1.0, "cpu_s": 0.9, "response_length": 20.0}
+    result = {
+        "grpo": [dict(step, step_s=1.0)] * 3,
+        "grpo_static": [dict(step, step_s=2.0)] * 3,
+        "trl_s": [4.0] * 3,
+        "trl_cpu_s": [3.6] * 3,
+        "trl_version": "x",
+        "trl_mean_length": [20.0],
+    }
+    lines = report_trl(Options(eos_weight=0.9, group=8), result)
+    paged = next(line for line in lines if line.startswith("slipstream paged"))
+    static = next(line for line in lines if line.startswith("slipstream static"))
+    assert paged.split()[2:4] == ["1.000", "0.900"] and paged.split()[4] == "0.25"
+    assert static.split()[4] == "0.50"
+    assert "ragged answers (eos weight 0.9)" in lines[0]

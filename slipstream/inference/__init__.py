@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from slipstream.inference import generation
+from slipstream.inference.batching import ContinuousBatchingEngine, RequestOutput, SamplingParams
 from slipstream.inference.config import InferenceConfig, InferenceTPConfig
 from slipstream.inference.engine import InferenceEngine, init_inference
 from slipstream.inference.generation import generate
@@ -27,9 +28,12 @@ from slipstream.inference.request import call_arguments
 from slipstream.models.sampling import SamplingPolicy
 
 __all__ = [
+    "ContinuousBatchingEngine",
     "InferenceConfig",
     "InferenceEngine",
     "InferenceTPConfig",
+    "RequestOutput",
+    "SamplingParams",
     "SamplingPolicy",
     "generate",
     "init_inference",

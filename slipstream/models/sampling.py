@@ -15,7 +15,7 @@ import torch
 
 from slipstream.config._errors import ConfigError
 
-__all__ = ["SamplingPolicy", "next_tokens"]
+__all__ = ["SamplingPolicy", "next_tokens", "sampling_probs"]
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,15 @@ def next_tokens(
         logits = logits.index_fill(1, banned, float("-inf"))
     if not policy.do_sample:
         return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, policy)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def sampling_probs(logits: torch.Tensor, policy: SamplingPolicy) -> torch.Tensor:
+    """The distribution :func:`next_tokens` draws from when sampling, after any penalty and
+    bans: temperature, top-k, top-p, softmax, row by row (fp32), ``[b, vocab]``."""
+    logits = logits.float()
     if policy.temperature != 1.0:
         logits = logits / policy.temperature
     logits = _top_p(_top_k(logits, policy.top_k), policy.top_p)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return logits.softmax(dim=-1)

@@ -3,8 +3,10 @@
 Yao et al. 2023 (arXiv 2308.01320, section 5): RLHF's actor alternates between training
 (ZeRO-sharded) and generating answers (hundreds of sequential decode steps). Gathering each
 ZeRO-3 layer for every token makes generation bound by all-gathers; the hybrid engine gathers
-the parameters once per ``generate`` call, runs slipstream's KV-cache decode loop
-(:mod:`slipstream.inference.generation`) on the gathered model, and releases them when the
+the parameters once per ``generate`` call, decodes on the gathered model (slipstream's
+continuous-batching engine on a paged KV cache, :mod:`slipstream.inference.paged_generate`,
+where it applies, else the static decode loop of :mod:`slipstream.inference.generation`;
+see :meth:`HybridEngine.run`), and releases them when the
 call returns, so the training layout (each rank holding its 1/N shard, optimizer state as it
 was) is back before ``engine.train()``. LoRA adapters (:mod:`slipstream.models.lora`) are
 fused into the base weights for the call and the unfused weights put back after, as
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -35,6 +37,7 @@ from slipstream.config import ConfigError
 from slipstream.config.hybrid import HybridEngineConfig
 from slipstream.distributed import comm
 from slipstream.inference import generation, hf
+from slipstream.inference.paged_generate import paged_refusal, run_paged
 from slipstream.inference.request import build_request, call_arguments, check_length
 from slipstream.models.decoding import GenerationRequest, generation_request
 from slipstream.models.gpt import GPT
@@ -60,12 +63,15 @@ class GenerationStats:
             loop (pinned ZeRO-3; about 0 otherwise).
         generate_seconds: time in the decode loop (per-layer gathers included when unpinned).
         new_tokens: generated columns summed over calls (times the batch rows).
+        paged_calls: calls decoded on the continuous-batching engine (the rest on the
+            static decode loop; see :meth:`HybridEngine.run`).
     """
 
     calls: int = 0
     gather_seconds: float = 0.0
     generate_seconds: float = 0.0
     new_tokens: int = 0
+    paged_calls: int = 0
 
 
 class HybridEngine:
@@ -80,6 +86,9 @@ class HybridEngine:
         self.engine = engine
         self.config = config
         self.stats = GenerationStats()
+        self.rollouts: Literal["paged", "static"] = "paged"
+        """``"paged"``: decode on the continuous-batching engine where it applies (see
+        :meth:`run`); ``"static"``: always the static decode loop."""
         self._sync_group = _zero3_group(engine.module)
         self.has_lora = any(isinstance(m, LoRALinear) for m in engine.module.modules())
         self._tp: TPGenerator | None = None
@@ -126,11 +135,23 @@ class HybridEngine:
             return self.generate(*args, **kwargs)
         own = dict(call.arguments)
         own.pop("self")
-        return self.run(generation_request(**own))
+        req = generation_request(**own)
+        # GPT.generate's draws come from its generator in batch order: the static loop's.
+        return self.run(req, paged=not req.sampling.do_sample)
 
-    def run(self, req: GenerationRequest) -> torch.Tensor:
+    def run(self, req: GenerationRequest, *, paged: bool = True) -> torch.Tensor:
         """Decode a typed request (the package's own callers: PPO, GRPO): ``[batch, prompt +
-        new]`` token ids, a copy that may enter a training forward."""
+        new]`` token ids, a copy that may enter a training forward.
+
+        Runs on the continuous-batching engine (:mod:`slipstream.inference.paged_generate`:
+        each row a request, the copies of one prompt sharing its KV blocks, finished rows
+        leaving the batch) unless the parameters are gathered per layer (unpinned ZeRO-3),
+        the request has stop strings or a streamer, the model is not one the paged forward
+        drives, ``rollouts`` is ``"static"`` or ``paged`` is False; then on the static
+        decode loop. Greedy
+        tokens are the same either way; sampled ones come from per-row generators on the
+        paged engine.
+        """
         if self._tp is not None:
             return self._generate_tp(self._tp, req)
         module = self.engine.module
@@ -141,7 +162,13 @@ class HybridEngine:
         started = time.perf_counter()
         with gathered_model(module) if pinned else nullcontext(), self._lora(pinned):
             decode_started = time.perf_counter()
-            out = generation.run(module, req, all_done=self._all_done())
+            all_done = self._all_done()
+            paged = paged and self.rollouts == "paged" and all_done is None
+            if paged and paged_refusal(module, req) is None:
+                out = run_paged(module, req)
+                self.stats.paged_calls += 1
+            else:
+                out = generation.run(module, req, all_done=all_done)
             decoded = time.perf_counter() - decode_started
         self.stats.calls += 1
         self.stats.generate_seconds += decoded

@@ -39,6 +39,7 @@ def test_training_layout_is_back_after_generation(rlhf_world):
     for g in result(rlhf_world, "gen3"):
         assert g["shards_after"] == g["shards_before"] and sum(g["shards_after"]) == 0
         assert g["stats"].calls == 2 and g["stats"].new_tokens > 0
+        assert g["stats"].paged_calls == 2  # pinned: the continuous-batching engine
 
 
 @pytest.mark.rlhf_checks("trip3")

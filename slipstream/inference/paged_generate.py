@@ -1,0 +1,91 @@
+"""A whole :class:`~slipstream.models.decoding.GenerationRequest` (a left-padded batch)
+through the continuous-batching engine, returned in the static engine's format.
+
+The RLHF rollouts (the hybrid engine's ``engine.generate``, and through it PPO and GRPO)
+use it: every row is one request of a :class:`ContinuousBatchingEngine`, so a row that ends
+early frees its blocks and stops costing compute, a padded prompt costs only its real tokens,
+and the ``num_return_sequences`` / group copies of one prompt compute and store the prompt
+once (shared prompt blocks).
+
+Tokens: greedy rows are the static engine's (the paged forward differs from it by fp
+rounding only). Sampled rows draw from one generator per row, seeded from the request's
+generator (or the global RNG) before decoding starts, so they are reproducible for a seed and
+independent of how rows are batched, but they are not the draws of the static engine's single
+batch-wide generator.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.config._errors import ConfigError
+from slipstream.inference.batching import ContinuousBatchingEngine
+from slipstream.inference.paged_models import runner_for
+from slipstream.models.decoding import GenerationRequest
+
+__all__ = ["paged_refusal", "run_paged"]
+
+
+def paged_refusal(model: nn.Module, req: GenerationRequest) -> str | None:
+    """Why ``req`` cannot run on the paged engine (None: it can)."""
+    if req.stop_strings:
+        return "stop_strings need the text decoded every step"
+    if req.streamer is not None:
+        return "a streamer takes the whole batch step by step"
+    if model.training:
+        return "the model is in training mode (the paged forward applies no attention dropout)"
+    try:
+        runner_for(model)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _row_generators(req: GenerationRequest, device: torch.device) -> list[torch.Generator | None]:
+    if not req.sampling.do_sample:
+        return [None] * req.input_ids.shape[0]
+    seeds = torch.randint(0, 2**62, (req.input_ids.shape[0],), generator=req.generator,
+                          device=req.input_ids.device).tolist()  # fmt: skip
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
+@torch.inference_mode()
+def run_paged(
+    model: nn.Module,
+    req: GenerationRequest,
+    *,
+    block_size: int = 16,
+    max_tokens_per_step: int = 2048,
+) -> torch.Tensor:
+    """Decode ``req`` on the paged engine: ``[batch, prompt + new]`` token ids, rows that
+    ended early padded with ``req.pad_token_id``, as long as the longest row (the static
+    engine's output). Every model call is local: ZeRO-3 must have gathered the parameters
+    (the hybrid engine's pinned mode), as the per-layer gathers of unpinned ZeRO-3 are not
+    run by the paged forward.
+    """
+    b, t = req.input_ids.shape
+    prompts = [
+        row[m.bool()].tolist() for row, m in zip(req.input_ids, req.attention_mask, strict=True)
+    ]
+    longest = max(len(p) for p in prompts) + req.max_new_tokens
+    engine = ContinuousBatchingEngine(
+        model, block_size=block_size, max_num_seqs=b, max_tokens_per_step=max_tokens_per_step,
+        max_model_len=longest, num_blocks=b * -(-longest // block_size),
+    )  # fmt: skip
+    stops = set(req.eos_token_ids)
+    gens = _row_generators(req, engine.runner.device)
+    for i, prompt in enumerate(prompts):
+        engine._add(str(i), prompt, req.max_new_tokens, req.sampling, gens[i], stops,
+                    req.min_new_tokens)  # fmt: skip
+    new: list[list[int]] = [[] for _ in range(b)]
+    while engine.has_unfinished():
+        for step_out in engine.step():
+            new[int(step_out.request_id)].extend(step_out.new_token_ids)
+    width = max(len(n) for n in new)
+    out = torch.full((b, t + width), req.pad_token_id, dtype=req.input_ids.dtype,
+                     device=req.input_ids.device)  # fmt: skip
+    out[:, :t] = req.input_ids
+    for i, tokens in enumerate(new):
+        out[i, t : t + len(tokens)] = torch.tensor(tokens, dtype=out.dtype)
+    return out
