@@ -34,16 +34,15 @@ compare ratios from one run.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from slipstream.inference import ContinuousBatchingEngine
 from slipstream.inference.serving import SamplingParams, StaticBatchingEngine
 
 
@@ -180,15 +179,6 @@ def run_hf(model: Any, trace: list[Request], batch: int, pad: int) -> Result:
     return result
 
 
-def continuous_engine() -> tuple[Callable[..., Any], Any] | None:
-    """``(ContinuousBatchingEngine, its SamplingParams)`` when this install has them."""
-    inference = importlib.import_module("slipstream.inference")
-    engine = getattr(inference, "ContinuousBatchingEngine", None)
-    if engine is None:
-        return None
-    return engine, importlib.import_module("slipstream.inference.batching").SamplingParams
-
-
 def load_model(args: argparse.Namespace) -> tuple[Any, str]:
     if args.model:
         from slipstream.inference.pretrained import load_causal_lm
@@ -230,13 +220,8 @@ def run(args: argparse.Namespace) -> list[Result]:
     static = StaticBatchingEngine(model, max_num_seqs=args.batch)
     results = [run_engine("static", static, trace, SamplingParams)]
     results.append(run_hf(model, trace, args.batch, pad))
-    found = continuous_engine()
-    if found is None:
-        results.append(Result("continuous", error="not available in this install"))
-    else:
-        engine_cls, params_type = found
-        engine = engine_cls(model, max_num_seqs=args.max_num_seqs)
-        results.append(run_engine("continuous", engine, trace, params_type))
+    engine = ContinuousBatchingEngine(model, max_num_seqs=args.max_num_seqs)
+    results.append(run_engine("continuous", engine, trace, SamplingParams))
     print(format_table(results))
     return results
 

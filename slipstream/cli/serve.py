@@ -11,7 +11,6 @@ SIGTERM or Ctrl-C stops accepting connections, lets running requests finish (up 
 from __future__ import annotations
 
 import argparse
-import importlib
 import signal
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 __all__ = ["add_parser", "pick_engine", "serve_command"]
 
-ENGINES = ("auto", "continuous", "static")
+ENGINES = ("continuous", "static")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -38,9 +37,9 @@ def add_parser(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument(
-        "--engine", default="auto", choices=ENGINES,
+        "--engine", default="continuous", choices=ENGINES,
         help="continuous: the continuous-batching engine (paged KV cache); static: today's "
-        "decode loop on static batches; auto: continuous when this install has it",
+        "decode loop on static batches",
     )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together")
     p.add_argument(
@@ -64,30 +63,16 @@ def add_parser(subparsers: Any) -> None:
 
 
 def pick_engine(model: Any, kind: str, max_num_seqs: int, max_model_len: int | None) -> Any:
-    """``(engine, name, sampling-params class)`` for ``--engine kind``.
-
-    ``auto`` takes ``slipstream.inference.ContinuousBatchingEngine`` when this install has it,
-    else the static-batching engine; the caller logs which one serves.
-
-    Raises:
-        ConfigError: ``continuous`` asked for and not available.
-    """
-    from slipstream.config import ConfigError
+    """``(engine, name, sampling-params class)`` for ``--engine kind``: the continuous-batching
+    engine (paged KV cache, the default) or the static-batching one; the caller logs which."""
+    from slipstream.inference import ContinuousBatchingEngine
     from slipstream.inference.serving import SamplingParams, StaticBatchingEngine
 
-    inference = importlib.import_module("slipstream.inference")
-    continuous = getattr(inference, "ContinuousBatchingEngine", None)
-    if kind == "continuous" and continuous is None:
-        raise ConfigError(
-            "--engine continuous: this install has no slipstream.inference."
-            "ContinuousBatchingEngine; use --engine static"
-        )
-    if kind == "static" or continuous is None:
+    if kind == "static":
         engine = StaticBatchingEngine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         return engine, "static", SamplingParams
-    batching = importlib.import_module("slipstream.inference.batching")
-    engine = continuous(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    return engine, "continuous", batching.SamplingParams
+    engine = ContinuousBatchingEngine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    return engine, "continuous", SamplingParams
 
 
 def _run_until_signal(app: Any, args: argparse.Namespace) -> None:

@@ -39,38 +39,12 @@ from torch import nn
 
 from slipstream.inference.paged import NoFreeBlocks, PagedKVCache
 from slipstream.inference.paged_models import runner_for
+
+# The request types are the serving interface's, which this engine implements.
+from slipstream.inference.serving.protocol import RequestOutput, SamplingParams
 from slipstream.models.sampling import SamplingPolicy, next_tokens, sampling_probs
 
 __all__ = ["ContinuousBatchingEngine", "RequestOutput", "SamplingParams"]
-
-
-@dataclass
-class SamplingParams:
-    """How one request is decoded (greedy unless ``do_sample``)."""
-
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int | None = None
-    """Keep the k most likely tokens (None: all)."""
-    top_p: float | None = None
-    """Nucleus sampling (None: off)."""
-    do_sample: bool = False
-    seed: int | None = None
-    """Seeds the request's own generator (None: the global torch RNG)."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Tokens that end the request besides the model's EOS (returned, as EOS is)."""
-    ignore_eos: bool = False
-
-
-@dataclass
-class RequestOutput:
-    """What one request produced in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    """``"stop"`` (EOS or a stop token), ``"length"``, ``"abort"``, or None while running."""
 
 
 @dataclass(eq=False)

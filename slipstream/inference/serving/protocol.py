@@ -7,9 +7,7 @@ batching engine (``slipstream.inference.ContinuousBatchingEngine``: a paged KV c
 requests join at every step) and :class:`~slipstream.inference.serving.static.StaticBatchingEngine`
 (today's decode loop run on small static batches).
 
-:class:`SamplingParams` and :class:`RequestOutput` have the fields and defaults of the
-continuous engine's classes of the same names (``slipstream.inference.batching``); the server
-builds the params with whichever class its engine came with (``cli/serve.py`` picks both).
+:class:`SamplingParams` and :class:`RequestOutput` are the request types of both engines.
 """
 
 from __future__ import annotations
