@@ -169,7 +169,10 @@ class TiledMLP(torch.autograd.Function):
         *params: torch.Tensor,
     ) -> torch.Tensor:
         ctx.fn, ctx.owner, ctx.shards = fn, self, shards
-        ctx.save_for_backward(x, *params)
+        # The parameters themselves, not saved copies: under a non-reentrant checkpoint the
+        # saved tensors come back as other objects, and the gradients must reach these.
+        ctx.params = list(params)
+        ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
         with torch.no_grad():
             out = [fn(self, chunk) for chunk in torch.chunk(flat, shards, dim=0)]
@@ -177,7 +180,8 @@ class TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, *params = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        params = ctx.params
         flat = x.detach().reshape(-1, x.shape[-1])
         grad = grad.reshape(flat.shape[0], -1)
         acc = _ChunkGrads(flat, params, ctx.needs_input_grad[2])
@@ -274,7 +278,8 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.fn, ctx.owner, ctx.shards, ctx.reduction = fn, self, shards, output_reduction
         ctx.has_mask = mask is not None
-        ctx.save_for_backward(x, y, *([mask] if mask is not None else []), *params)
+        ctx.params = list(params)  # see TiledMLP.forward
+        ctx.save_for_backward(x, y, *([mask] if mask is not None else []))
         with torch.no_grad():
             parts = [
                 fn(self, xc, yc, *([mc] if mc is not None else []))
@@ -288,7 +293,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         x, y = saved[0], saved[1]
         mask = saved[2] if ctx.has_mask else None
-        params = saved[3:] if ctx.has_mask else saved[2:]
+        params = ctx.params
         chunks = list(TiledFusedLogitsLoss._chunks(ctx, x.detach(), y, mask))
         # Each chunk's value enters the result with weight 1 (sum) or 1/chunks (mean).
         weight = grad / len(chunks) if ctx.reduction == "mean" else grad
@@ -393,7 +398,8 @@ class SequenceTiledCompute(torch.autograd.Function):
         ctx.dim, ctx.reduction = output_unshard_dimension, output_reduction
         ctx.n_args = n_sharded + n_passed
         ctx.key_index = keys_to_shard.index(grad_requiring_tensor_key)
-        ctx.save_for_backward(*sharded.values(), *params)
+        ctx.params = list(params)  # see TiledMLP.forward
+        ctx.save_for_backward(*sharded.values())
         with torch.no_grad():
             outs = [fn(**chunk, **passed) for chunk in _seq_chunks(sharded, ctx.step)]
         if output_unshard_dimension == 0:
@@ -412,7 +418,7 @@ class SequenceTiledCompute(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         n = len(ctx.keys)
         sharded = dict(zip(ctx.keys, [t.detach() for t in saved[:n]]))
-        params = saved[n:]
+        params = ctx.params
         target = sharded[ctx.key]
         need_x = ctx.needs_input_grad[9 + ctx.key_index]
         acc = _ChunkGrads(target, params, need_x)

@@ -73,10 +73,11 @@ def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Ten
     return out, grads, largest.numel
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tiled_hf_model_equals_plain_fp64(family: str) -> None:
-    """Tiled MLP (3 chunks) + tiled loss (5 chunks) + HF gradient checkpointing through
-    slipstream's cpu_checkpointing: loss and every gradient equal the plain model's in fp64
+@pytest.mark.parametrize("family, offload", [("llama", True), ("qwen2", False)])
+def test_tiled_hf_model_equals_plain_fp64(family: str, offload: bool) -> None:
+    """Tiled MLP (3 chunks) + tiled loss (5 chunks) + HF gradient checkpointing, through
+    slipstream's cpu_checkpointing (LLaMA) or HF's own non-reentrant checkpoint (Qwen2):
+    loss and every gradient equal the plain model's in fp64
     (rtol 1e-10); no tensor as large as the [B*S, vocab] logits or the [B*S, intermediate]
     MLP activations exists; eval mode keeps the model's own forward (with logits)."""
     plain = _model(family)
@@ -86,7 +87,8 @@ def test_tiled_hf_model_equals_plain_fp64(family: str) -> None:
     tiled.gradient_checkpointing_enable()
     context = RecomputeContext()
     context.configure(None, ActivationCheckpointingConfig(cpu_checkpointing=True))
-    bind_hf_checkpointing_(tiled, context)
+    if offload:
+        bind_hf_checkpointing_(tiled, context)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     labels = ids.clone()
@@ -101,7 +103,8 @@ def test_tiled_hf_model_equals_plain_fp64(family: str) -> None:
     assert ref_largest[VOCAB] >= tokens * VOCAB and ref_largest[INTER] >= tokens * INTER
     assert largest[VOCAB] <= max(-(-tokens // 5), HIDDEN) * VOCAB, largest  # chunk or weight
     assert largest[INTER] <= max(-(-tokens // 3), HIDDEN) * INTER, largest  # chunk or weight
-    assert tiled.model.layers[0]._gradient_checkpointing_func == context.run
+    bound = tiled.model.layers[0]._gradient_checkpointing_func == context.run
+    assert bound == offload
     tiled.eval()
     with torch.no_grad():
         evaluated = tiled(input_ids=ids, labels=labels)
