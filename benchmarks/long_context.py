@@ -142,6 +142,7 @@ def _deepspeed_trainer(args: argparse.Namespace, p: int, sw: dict[str, bool]) ->
 
     mpu = None
     if p > 1:
+        deepspeed.init_distributed(dist_backend="gloo")  # its comm over the harness's group
         mpu = ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=_model(args),
             core_attn_implementation="sdpa",
@@ -284,7 +285,8 @@ def _rank(args: argparse.Namespace, row: int, rank: int, device: torch.device) -
         step = build(args, p, switches)
         result = _search(step, args, p, memory)
     except Exception as exc:  # a piece that cannot run here: say which and why
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+        first = (str(exc).splitlines() or [""])[0][:300]
+        return {"error": f"{type(exc).__name__}: {first}"}
     return {**result, "method": memory.method}
 
 
