@@ -59,6 +59,10 @@ def resolve_auto(raw: dict[str, Any], ctx: AutoContext) -> None:
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
         _resolve_zero_auto(zero, ctx)
+    tiled = raw.get("tiled_compute")
+    for key in ("mlp_shards", "logits_loss_shards"):  # "auto": chosen per sequence length
+        if isinstance(tiled, dict) and is_auto(tiled.get(key)):
+            tiled[key] = None
     reject_remaining_auto(raw, "")
 
 

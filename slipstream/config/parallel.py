@@ -14,6 +14,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "PipelineConfig",
     "TensorParallelConfig",
+    "TiledComputeConfig",
     "check_parallel_config",
 ]
 
@@ -79,7 +80,9 @@ class ActivationCheckpointingConfig(StrictModel):
     """Under tensor parallelism, keep only 1/tp of each checkpointed input (identical on all
     TP ranks) and all-gather it for the recompute."""
     cpu_checkpointing: bool = False
-    """Keep checkpointed inputs in host memory until the recompute."""
+    """Keep checkpointed inputs in host memory until the recompute (page-locked buffers and
+    asynchronous copies on an accelerator; on a CPU they are in host memory already). Hugging
+    Face models: applies to the layers ``gradient_checkpointing_enable`` checkpoints."""
     contiguous_memory_optimization: Literal[False] = False
     """Not needed with PyTorch's caching allocator (must be false)."""
     number_checkpoints: int | None = Field(None, ge=1)
@@ -92,6 +95,25 @@ class ActivationCheckpointingConfig(StrictModel):
     """(slipstream) Selective recompute: keep the outputs of matrix multiplications and
     attention (without dropout), recompute only the cheap elementwise ops and norms in
     backward."""
+
+
+class TiledComputeConfig(StrictModel):
+    """(slipstream) ``tiled_compute``: sequence tiling of Hugging Face causal LMs (ALST's tiled
+    MLP and tiled logits+loss, ``slipstream.sequence.hf_tiling``). DeepSpeed has no config key
+    for them (its ALST scripts patch the model by hand with ``TiledMLP`` and
+    ``TiledFusedLogitsLoss``, which slipstream also offers under DeepSpeed's names)."""
+
+    mlp: bool = False
+    """Run each gated MLP (``gate_proj``/``up_proj``/``down_proj``) over chunks of tokens,
+    recomputed in backward: one chunk's ``[tokens, intermediate]`` activations at a time."""
+    mlp_shards: int | None = Field(None, ge=1)
+    """Chunks per MLP call; null or "auto": ``ceil(tokens / hidden_size)``."""
+    logits_loss: bool = False
+    """Compute the training loss (a forward with labels) over chunks of tokens without the
+    ``[S, vocab]`` logits; such a forward returns ``logits=None``."""
+    logits_loss_shards: int | None = Field(None, ge=1)
+    """Chunks of the loss; null or "auto": ``ceil(vocab_size / hidden_size)``, at least 64
+    tokens per chunk."""
 
 
 def check_parallel_config(pipe: PipelineConfig) -> None:

@@ -23,6 +23,7 @@ from slipstream.config.parallel import (
     ActivationCheckpointingConfig,
     PipelineConfig,
     TensorParallelConfig,
+    TiledComputeConfig,
 )
 from slipstream.config.precision import BF16Config, DataTypesConfig, FP16Config
 from slipstream.config.zero import ZeroConfig
@@ -242,6 +243,8 @@ class SlipstreamConfig(StrictModel):
         default_factory=ActivationCheckpointingConfig
     )
     """Options of ``slipstream.checkpointing`` (activation recomputation)."""
+    tiled_compute: TiledComputeConfig = Field(default_factory=TiledComputeConfig)
+    """(slipstream) Tiled MLP and tiled logits+loss for Hugging Face causal LMs."""
     compression_training: CompressionConfig = Field(default_factory=CompressionConfig)
     """DeepSpeed's compression library (``deepspeed.compression``, docs/compression.md): the
     engine turns each technique on at its ``schedule_offset``."""

@@ -7,7 +7,9 @@ block, which ``slipstream.initialize`` applies):
 - full recompute (default): only the inputs of ``fn`` are kept;
 - ``partition_activations``: under tensor parallelism those inputs are identical on every
   TP rank, so each rank keeps 1/tp of them and the recompute all-gathers them back;
-- ``cpu_checkpointing``: the kept inputs wait in host memory;
+- ``cpu_checkpointing``: the kept inputs wait in host memory (on an accelerator, in
+  page-locked buffers filled by asynchronous copies; on a CPU they are in host memory
+  already and stay where they are, so only the recompute mode changes);
 - ``selective``: matrix multiplications and attention keep their outputs and only the cheap
   ops (norms, activations, elementwise) are recomputed (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", section 5).
@@ -59,6 +61,7 @@ from slipstream.parallel.random import (
 __all__ = [
     "DEFAULT_CONTEXT",
     "RecomputeContext",
+    "bind_hf_checkpointing_",
     "checkpoint",
     "configure",
     "get_cuda_rng_tracker",
@@ -178,6 +181,37 @@ def use_recompute_context_(model: nn.Module, context: RecomputeContext) -> int:
             module.recompute_context = context  # type: ignore[assignment]
             bound += 1
     return bound
+
+
+def bind_hf_checkpointing_(model: nn.Module, context: RecomputeContext) -> None:
+    """Make a Hugging Face model's gradient checkpointing run through ``context``, in place.
+
+    transformers checkpoints each decoder layer with the function set by
+    ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` (torch's
+    checkpoint, whose kept inputs stay where they are). After this call that function is
+    ``context.run``, whether checkpointing was enabled before (it is rebound now) or is
+    enabled later (the model's ``_set_gradient_checkpointing`` is wrapped), so the
+    ``activation_checkpointing`` options (``cpu_checkpointing``, ``partition_activations``,
+    ``selective``) apply to HF models as they do to ``slipstream.checkpointing.checkpoint``.
+    The checkpointing kwargs given to ``gradient_checkpointing_enable`` (``use_reentrant``)
+    are superseded. A model that never enables gradient checkpointing is not checkpointed.
+    """
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            module._gradient_checkpointing_func = context.run  # type: ignore[assignment]
+    original = getattr(model, "_set_gradient_checkpointing", None)
+    if original is None or getattr(original, "_slipstream_bound", False):
+        return
+
+    def set_gradient_checkpointing(
+        enable: bool = True, gradient_checkpointing_func: Any = None, every_n_layers: int = 1
+    ) -> None:
+        original(
+            enable=enable, gradient_checkpointing_func=context.run, every_n_layers=every_n_layers
+        )
+
+    set_gradient_checkpointing._slipstream_bound = True  # type: ignore[attr-defined]
+    model._set_gradient_checkpointing = set_gradient_checkpointing  # type: ignore[method-assign, assignment]
 
 
 def configure(
@@ -381,8 +415,12 @@ def _stash(t: torch.Tensor, opts: _Options) -> tuple[torch.Tensor, tuple[int, ..
         kept = torch.nn.functional.pad(flat, (0, per * world - flat.numel()))[
             rank * per : (rank + 1) * per
         ].clone()
-    if opts.to_cpu:
-        kept = kept.to("cpu", non_blocking=True)
+    if opts.to_cpu and kept.device.type != "cpu":
+        # Page-locked host buffer: the device-to-host copy runs asynchronously on the current
+        # stream (the host never reads it; the recompute's host-to-device copy is queued on
+        # the same stream after it). On a CPU the input already is in host memory: kept as is.
+        host = torch.empty(kept.shape, dtype=kept.dtype, pin_memory=True)
+        kept = host.copy_(kept, non_blocking=True)
     return kept, shape
 
 

@@ -6,7 +6,9 @@
 2. Sequence parallelism (Ulysses / LSS / ring) binds the attention to the ``sp`` axis
    (ring: its ``sp_ring`` x ``sp_ulysses`` unflattening).
 3. Activation checkpointing is configured with the TP group, which partitioned activations
-   and the RNG replay need.
+   and the RNG replay need (a Hugging Face model's ``gradient_checkpointing_enable`` layers
+   included); tiling (``tiled_compute``: tiled MLP and logits+loss of HF causal LMs) wraps
+   the MLPs and the loss, the latter with the ``sp`` group for the global token mean.
 
 The state these steps create belongs to this engine, not to the process: under tensor
 parallelism the model-parallel RNG streams live in a tracker of its own (shared by the TP plan
@@ -28,9 +30,14 @@ from slipstream.config import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.distributed.mesh import DeviceMesh, sp_ring_groups
 from slipstream.parallel.random import RNGStatesTracker, model_parallel_manual_seed
-from slipstream.parallel.recompute import RecomputeContext, use_recompute_context_
+from slipstream.parallel.recompute import (
+    RecomputeContext,
+    bind_hf_checkpointing_,
+    use_recompute_context_,
+)
 from slipstream.parallel.tensor import parallelize_tp_
 from slipstream.sequence import parallelize_sequence_
+from slipstream.sequence.hf import is_hf_attention_model
 
 __all__ = ["axis_group", "parallelize_"]
 
@@ -69,3 +76,26 @@ def parallelize_(model: nn.Module, cfg: SlipstreamConfig, mesh: DeviceMesh) -> N
         recompute = RecomputeContext(rng_tracker)
         recompute.configure(tp, cfg.activation_checkpointing)
         use_recompute_context_(model, recompute)
+        if is_hf_attention_model(model):
+            bind_hf_checkpointing_(model, recompute)
+    _tile_(model, cfg, sp)
+
+
+def _tile_(model: nn.Module, cfg: SlipstreamConfig, sp: comm.Group) -> None:
+    """The ``tiled_compute`` switches, for Hugging Face causal LMs only."""
+    tiled = cfg.tiled_compute
+    if not (tiled.mlp or tiled.logits_loss):
+        return
+    if not is_hf_attention_model(model):
+        raise ValueError(
+            f"config key 'tiled_compute' (mlp={tiled.mlp}, logits_loss={tiled.logits_loss}) "
+            f"applies to Hugging Face causal LMs; {type(model).__name__} is not one. Set "
+            "both to false and call slipstream.sequence.tiling.TiledMLP / "
+            "TiledFusedLogitsLoss in your model's forward instead"
+        )
+    from slipstream.sequence.hf_tiling import tile_hf_loss_, tile_hf_mlp_
+
+    if tiled.mlp:
+        tile_hf_mlp_(model, tiled.mlp_shards)
+    if tiled.logits_loss:
+        tile_hf_loss_(model, tiled.logits_loss_shards, sp)

@@ -10,6 +10,9 @@ and computes the loss itself from ``shift_labels``::
     engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
     loader = UlyssesSPDataLoaderAdapter(loader, sp_rank, sp_group, sp_world_size, device)
 
+``TiledMLP``, ``TiledFusedLogitsLoss`` and ``sequence_tiled_compute`` (ALST's memory tiling)
+are :mod:`slipstream.sequence.tiling`'s, with DeepSpeed's ``apply`` signatures.
+
 The attention exchange is slipstream's (:func:`slipstream.sequence.hf.ulysses_hf_attention`:
 all-to-alls through the comm layer, KV heads replicated when fewer than P). The loss and the
 position ids are the script's business here, as in DeepSpeed; ``initialize`` without ``mpu`` and
@@ -30,8 +33,21 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.runtime.sequence_parallel import parallel_state_sp
 from slipstream.sequence.hf import ulysses_hf_attention
+from slipstream.sequence.tiling import (
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+__all__ = [
+    "SequenceTiledCompute",
+    "TiledFusedLogitsLoss",
+    "TiledMLP",
+    "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter",
+    "sequence_tiled_compute",
+]
 
 
 class UlyssesSPAttentionHF(nn.Module):
