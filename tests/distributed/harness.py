@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -146,6 +147,8 @@ def _fresh_entry(
     alias.uninstall()
     alias.install_from_env()
     os.chdir(cwd)
+    if "OMP_NUM_THREADS" in environ:  # what torch reads when it starts in a new interpreter
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     code = 0
     try:
         result = fn(*args)
@@ -194,7 +197,8 @@ def run_fresh(
         if proc.exitcode is None:
             proc.kill()
             proc.join()
-            raise subprocess.TimeoutExpired(fn.__qualname__, timeout_s)
+            out, err = ((Path(outdir) / n).read_bytes() for n in ("o", "e"))
+            raise subprocess.TimeoutExpired(fn.__qualname__, timeout_s, out, err)
         result = Path(outdir) / "result.pt"
         done = subprocess.CompletedProcess(
             [fn.__qualname__, *map(str, args)],
@@ -225,3 +229,44 @@ def run_cli(
     if done.returncode == 0 and isinstance(done.result, int):  # type: ignore[attr-defined]
         done.returncode = done.result  # type: ignore[attr-defined]
     return done
+
+
+def _script_main(target: str, args: list[str], module: bool) -> None:
+    sys.argv = [target, *args]
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, str(Path(target).resolve().parent))
+        runpy.run_path(target, run_name="__main__")
+
+
+def run_script(
+    target: str | Path,
+    *args: str,
+    module: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``python TARGET ARGS`` (``python -m TARGET ARGS`` with ``module=True``) as ``__main__``,
+    forked warm by :func:`run_fresh`: exit status, stdout and stderr as ``subprocess.run``
+    gives them, without the seconds of importing torch and slipstream again."""
+    return run_fresh(_script_main, str(target), list(args), module, env=env, cwd=cwd,
+                     timeout_s=timeout_s)  # fmt: skip
+
+
+def _exec_code(code: str) -> None:
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
+def run_code(
+    code: str,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE``, forked warm by :func:`run_fresh` (``SLIPSTREAM_AS_DEEPSPEED`` in
+    ``env`` applies as at interpreter start). Not for what only a new interpreter shows (the
+    ``.pth`` hook itself, what ``import slipstream`` imports): start one for those."""
+    return run_fresh(_exec_code, code, env=env, cwd=cwd, timeout_s=timeout_s)
