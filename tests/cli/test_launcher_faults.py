@@ -18,7 +18,7 @@ from slipstream.cli._failures import classify_failures, format_report, job_exit_
 from slipstream.cli._rank_entry import LAUNCHER_PID_ENV
 from slipstream.cli.main import main
 from tests.cli.test_launcher import REPO, SCRIPTS, slipstream
-from tests.distributed.harness import run_fresh
+from tests.distributed.harness import cli_main, run_fresh, start_fresh
 
 RANK_ENTRY = str(REPO / "slipstream" / "cli" / "_rank_entry.py")
 PEER_FAULT = str(SCRIPTS / "peer_fault.py")
@@ -58,10 +58,10 @@ def test_sigkilled_launcher_takes_its_workers_along(tmp_path):
     """SIGKILL the launcher of 2 sleeping ranks: both worker pids are gone within 5 s."""
     env = {**os.environ}
     env.pop("OMP_NUM_THREADS", None)
-    cmd = [sys.executable, "-m", "slipstream.cli.main", "run", "--nproc", "2", SLEEPER]
-    launcher = subprocess.Popen(
-        [*cmd, str(tmp_path), "sleep"], cwd=REPO, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    (tmp_path / "launcher").mkdir()
+    launcher = start_fresh(  # `slipstream run`, forked warm
+        cli_main, ["run", "--nproc", "2", SLEEPER, str(tmp_path), "sleep"],
+        outdir=str(tmp_path / "launcher"), env=env, cwd=REPO,
     )  # fmt: skip
     try:
         pid_files = [tmp_path / "rank0.pid", tmp_path / "rank1.pid"]
@@ -69,7 +69,7 @@ def test_sigkilled_launcher_takes_its_workers_along(tmp_path):
         pids = [int(p.read_text()) for p in pid_files]
         assert not any(gone(pid) for pid in pids)
         launcher.kill()
-        launcher.wait(timeout=10)
+        launcher.join(timeout=10)
         deadline = time.monotonic() + 5
         while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -168,6 +168,24 @@ def _fresh_entry(
     os._exit(code)
 
 
+def start_fresh(
+    fn: Callable[..., Any],
+    *args: Any,
+    outdir: str,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> multiprocessing.process.BaseProcess:
+    """Start what :func:`run_fresh` runs and return the process at once (its stdout, stderr and
+    return value go to files ``o``, ``e`` and ``result.pt`` in ``outdir``)."""
+    environ = dict(os.environ if env is None else env)
+    ctx = multiprocessing.get_context("forkserver")
+    proc = ctx.Process(  # type: ignore[attr-defined]
+        target=_fresh_entry, args=(fn, args, environ, str(cwd or os.getcwd()), outdir)
+    )
+    proc.start()
+    return proc
+
+
 def run_fresh(
     fn: Callable[..., Any],
     *args: Any,
@@ -186,13 +204,8 @@ def run_fresh(
     ``.result``. A process still running after ``timeout_s`` is killed (its launched ranks die
     with it) and ``subprocess.TimeoutExpired`` is raised, as ``subprocess.run`` does.
     """
-    environ = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = multiprocessing.get_context("forkserver")
-        proc = ctx.Process(  # type: ignore[attr-defined]
-            target=_fresh_entry, args=(fn, args, environ, str(cwd or os.getcwd()), outdir)
-        )
-        proc.start()
+        proc = start_fresh(fn, *args, env=env, cwd=cwd, outdir=outdir)
         proc.join(timeout_s)
         if proc.exitcode is None:
             proc.kill()
@@ -210,7 +223,8 @@ def run_fresh(
     return done
 
 
-def _cli_main(argv: list[str]) -> int:
+def cli_main(argv: list[str]) -> int:
+    """`slipstream ARGV` in this process: the function run_cli forks."""
     from slipstream.cli.main import main
 
     return main(argv)
@@ -225,7 +239,7 @@ def run_cli(
     """``python -m slipstream.cli.main ARGV`` (exit status, stdout, stderr), forked warm by
     :func:`run_fresh` instead of a new interpreter. A job it launches starts its ranks as the
     command does (fresh interpreters through the launcher)."""
-    done = run_fresh(_cli_main, list(argv), env=env, cwd=cwd, timeout_s=timeout_s)
+    done = run_fresh(cli_main, list(argv), env=env, cwd=cwd, timeout_s=timeout_s)
     if done.returncode == 0 and isinstance(done.result, int):  # type: ignore[attr-defined]
         done.returncode = done.result  # type: ignore[attr-defined]
     return done
