@@ -1,21 +1,20 @@
-"""Runnable examples run as documented (through the launcher)."""
+"""Runnable examples run as documented (through the launcher, forked warm: ``run_cli``)."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.harness import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_zero3_example_through_launcher(tmp_path):
     out = tmp_path / "export"
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "run", "--nproc", "2",
-         str(ROOT / "examples" / "zero3_gpt.py"), "--out", str(out), "--steps", "10"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    proc = run_cli(
+        ["run", "--nproc", "2", str(ROOT / "examples" / "zero3_gpt.py"), "--out", str(out),
+         "--steps", "10"], cwd=ROOT, timeout_s=240,
     )  # fmt: skip
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
@@ -24,10 +23,7 @@ def test_zero3_example_through_launcher(tmp_path):
 
 
 def _run(*args: str, nproc: int) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "run", "--nproc", str(nproc), *args],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )  # fmt: skip
+    proc = run_cli(["run", "--nproc", str(nproc), *args], cwd=ROOT, timeout_s=240)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
     return text

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,8 +19,6 @@ def test_readme_quick_start_runs(tmp_path):
         quick
         + "\nassert engine.global_steps == 10, engine.global_steps\nprint('OK', float(loss))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    proc = run_script(script, cwd=tmp_path, timeout_s=120)  # `python train.py`, forked warm
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "OK" in proc.stdout

@@ -4,18 +4,17 @@ trains and reports, the offload row through the offload step."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dry_run_reports_every_row(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_train", "--dry-run", "--backend", "eager"]
-    cmd += ["--models", "gpt-1b", "--no-deepspeed", "--steps", "1", "--warmup", "1"]
-    cmd += ["--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    args = ["--dry-run", "--backend", "eager", "--models", "gpt-1b", "--no-deepspeed"]
+    args += ["--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
+    done = run_script("benchmarks.gpu_train", *args, module=True, cwd=ROOT, timeout_s=240)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
     names = [(r["model"], r["name"]) for r in rows]

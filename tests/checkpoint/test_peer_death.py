@@ -1,16 +1,14 @@
 """Issue 38: a rank that dies as ``save_checkpoint`` starts is named as dead by the survivor
 (it read as a usage error: "not every rank called it within 300 s ... must be called on
-every rank"). Two real processes, one exiting at the call; each has a timeout."""
+every rank"). Two processes, one exiting at the call; each has a timeout."""
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.harness import run_code
 
 _RANK = """
 import os, sys, torch
@@ -37,21 +35,19 @@ def _port() -> int:
 
 
 def test_rank_dying_at_save_is_named_dead_not_missing(tmp_path):
-    script = tmp_path / "rank.py"
-    script.write_text(_RANK)
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
-               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "ckpt")],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+               OMP_NUM_THREADS="1")  # fmt: skip
+    code = _RANK.replace("sys.argv[1]", repr(str(tmp_path / "ckpt")))
+    # Two processes forked warm (run_code), started together; each has its timeout.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(
+                run_code, code, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, timeout_s=240
+            )
+            for r in range(2)
+        ]
+        procs = [run.result() for run in runs]
+    outs = [p.stdout + p.stderr for p in procs]
     assert procs[1].returncode == 3, outs[1]
     line = next((ln for ln in outs[0].splitlines() if ln.startswith("ERROR")), outs[0][-2000:])
     assert "save_checkpoint: rank 1 is gone: its connection closed" in line, line

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.harness import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_tiny_runs_end_to_end(tmp_path: Path) -> None:
     """... and leaves its curves (CSV monitor, PNG plots) and the FLOPs profile in --run-dir."""
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "demo", "--preset", "tiny", "--steps", "30",
-         "--seq-len", "64", "--sample-tokens", "20", "--nproc", "2", "--run-dir", str(run)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    proc = run_cli(
+        ["demo", "--preset", "tiny", "--steps", "30", "--seq-len", "64", "--sample-tokens", "20",
+         "--nproc", "2", "--run-dir", str(run)],
+        cwd=ROOT, timeout_s=180,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

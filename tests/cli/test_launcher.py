@@ -6,8 +6,6 @@ import json
 import os
 import shlex
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from slipstream.cli._multinode import (
     run_parallel,
 )
 from slipstream.cli.main import main
+from tests.distributed.harness import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "_scripts"
@@ -38,17 +37,11 @@ PY = "/usr/bin/python3"
 
 
 def slipstream(*args: str, env: dict[str, str] | None = None, timeout: float = 90):
-    """Run `python -m slipstream.cli.main ARGS` from the repo root."""
+    """`python -m slipstream.cli.main ARGS` from the repo root, forked warm (``run_cli``: the
+    launcher does not spend seconds importing torch again; its ranks start as they always do)."""
     full_env = {**os.environ, **(env or {})}
     full_env.pop("OMP_NUM_THREADS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", *args],
-        cwd=REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(args, env=full_env, cwd=REPO, timeout_s=timeout)
 
 
 def read_ranks(out_dir: Path) -> dict[int, dict]:

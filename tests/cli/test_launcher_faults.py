@@ -16,7 +16,9 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from slipstream.cli._failures import classify_failures, format_report, job_exit_status
 from slipstream.cli._rank_entry import LAUNCHER_PID_ENV
+from slipstream.cli.main import main
 from tests.cli.test_launcher import REPO, SCRIPTS, slipstream
+from tests.distributed.harness import cli_main, run_fresh, start_fresh
 
 RANK_ENTRY = str(REPO / "slipstream" / "cli" / "_rank_entry.py")
 PEER_FAULT = str(SCRIPTS / "peer_fault.py")
@@ -56,10 +58,10 @@ def test_sigkilled_launcher_takes_its_workers_along(tmp_path):
     """SIGKILL the launcher of 2 sleeping ranks: both worker pids are gone within 5 s."""
     env = {**os.environ}
     env.pop("OMP_NUM_THREADS", None)
-    cmd = [sys.executable, "-m", "slipstream.cli.main", "run", "--nproc", "2", SLEEPER]
-    launcher = subprocess.Popen(
-        [*cmd, str(tmp_path), "sleep"], cwd=REPO, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    (tmp_path / "launcher").mkdir()
+    launcher = start_fresh(  # `slipstream run`, forked warm
+        cli_main, ["run", "--nproc", "2", SLEEPER, str(tmp_path), "sleep"],
+        outdir=str(tmp_path / "launcher"), env=env, cwd=REPO,
     )  # fmt: skip
     try:
         pid_files = [tmp_path / "rank0.pid", tmp_path / "rank1.pid"]
@@ -67,7 +69,7 @@ def test_sigkilled_launcher_takes_its_workers_along(tmp_path):
         pids = [int(p.read_text()) for p in pid_files]
         assert not any(gone(pid) for pid in pids)
         launcher.kill()
-        launcher.wait(timeout=10)
+        launcher.join(timeout=10)
         deadline = time.monotonic() + 5
         while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -193,22 +195,20 @@ def test_python_error_on_rank0_is_named_and_rank1_listed_as_secondary(tmp_path):
     assert all("rank 1 (local rank 1) failed only because a peer died" in ln for ln in lines[1:])
 
 
+def _five_races(root: str) -> None:
+    """One launcher process running five jobs in turn (victims 0, 1, 0, 1, 0)."""
+    for i, victim in enumerate([0, 1, 0, 1, 0]):
+        out = os.path.join(root, str(i))
+        os.mkdir(out)
+        code = main(["run", "--nproc", "2", PEER_SOCKET, out, str(victim)])
+        print(f"=== {victim} {code}", file=sys.stderr, flush=True)
+
+
 def test_killed_rank_is_named_every_time_over_repeated_races(tmp_path):
     """Five jobs whose survivor fails within milliseconds of its peer's SIGKILL (the race that
     blamed the survivor 2 times in 16): the killed rank is the cause in every one."""
-    driver = (
-        "import os, sys\n"
-        "from slipstream.cli.main import main\n"
-        "for i, victim in enumerate([0, 1, 0, 1, 0]):\n"
-        "    out = os.path.join(sys.argv[1], str(i)); os.mkdir(out)\n"
-        "    code = main(['run', '--nproc', '2', sys.argv[2], out, str(victim)])\n"
-        "    print(f'=== {victim} {code}', file=sys.stderr, flush=True)\n"
-    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", driver, str(tmp_path), PEER_SOCKET], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    result = run_fresh(_five_races, str(tmp_path), env=env, cwd=REPO, timeout_s=180)
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = result.stderr.split("=== ")
     runs = [(job, part) for job, part in zip(jobs[1:], jobs[:-1], strict=True)]

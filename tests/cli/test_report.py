@@ -9,19 +9,15 @@ from pathlib import Path
 
 from slipstream.cli import report
 from slipstream.version import __version__
+from tests.distributed.harness import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = {"slipstream", "python", "torch", "devices", "distributed", "system", "packages", "ops"}
 
 
 def slipstream(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """The command in a process of its own, forked warm (no seconds spent importing torch)."""
+    return run_cli(args, cwd=REPO, timeout_s=60)
 
 
 def test_report_json_has_every_section_and_key_facts():

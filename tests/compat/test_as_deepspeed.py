@@ -14,14 +14,19 @@ import pytest
 
 import _slipstream_as_deepspeed as alias
 from slipstream.version import DEEPSPEED_VERSION
+from tests.distributed.harness import run_code
 
 
 def _python(
-    code: str, value: str | None = "1", timeout: float = 120
+    code: str, value: str | None = "1", timeout: float = 120, fresh: bool = False
 ) -> subprocess.CompletedProcess:
+    """``python -c CODE`` with ``SLIPSTREAM_AS_DEEPSPEED=value``: forked warm (the harness
+    applies the variable as the .pth hook does at start), or a new interpreter (``fresh``)."""
     env = {k: v for k, v in os.environ.items() if k != alias.ENV}
     if value is not None:
         env[alias.ENV] = value
+    if not fresh:
+        return run_code(textwrap.dedent(code), env=env, timeout_s=timeout)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -59,7 +64,8 @@ def test_deepspeed_modules_are_slipstream_in_a_fresh_interpreter() -> None:
         ).stdout.strip()
         print(importlib.metadata.version("deepspeed"), deepspeed.__version__,
               deepspeed.__version_minor__, child == slipstream.__version__)
-        """
+        """,
+        fresh=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.launcher import runner
+from tests.distributed.harness import run_code
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = str(Path(__file__).parent / "_scripts" / "probe_rank.py")
@@ -108,8 +109,6 @@ def test_from_deepspeed_launcher_import_runner_is_the_same_module() -> None:
         "assert a is b and callable(main), (a, b)\n"
         "print(a.__name__, DEEPSPEED_ENVIRONMENT_NAME)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
-    )
+    proc = run_code(code, env=_env(), timeout_s=60)  # forked warm, the alias applied
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["slipstream.launcher.runner", ".deepspeed_env"]

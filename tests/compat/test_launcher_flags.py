@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from slipstream.cli._binding import parse_core_list, plan_core_binding
 from slipstream.cli._hostfile import LaunchError
+from tests.distributed.harness import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = str(Path(__file__).parent / "_scripts" / "probe_rank.py")
@@ -20,11 +19,9 @@ PROBE = str(Path(__file__).parent / "_scripts" / "probe_rank.py")
 
 def _run(tmp_path: Path, *flags: str) -> dict[int, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("SLIPSTREAM_AS_DEEPSPEED",)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "run", "--nproc", "2", *flags, PROBE,
-         str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    # The launcher forked warm (run_cli); its ranks start as new interpreters.
+    proc = run_cli(["run", "--nproc", "2", *flags, PROBE, str(tmp_path)], env=env, cwd=REPO,
+                   timeout_s=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
 

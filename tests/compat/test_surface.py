@@ -23,6 +23,7 @@ from slipstream.optim.kinds import optimizer_kind
 from slipstream.runtime import lr_schedules
 from slipstream.runtime.utils import see_memory_usage, set_random_seed
 from slipstream.utils import OnDevice, log_dist
+from tests.distributed.harness import run_code
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 _ACCEL_PROBE = """
@@ -47,9 +48,7 @@ def _probe(ours: bool) -> list:
     env = {**os.environ, "LOCAL_RANK": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("SLIPSTREAM_AS_DEEPSPEED", None)
     code = _ACCEL_PROBE.format(root=root, ours=ours)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = run_code(code, env=env, timeout_s=120)  # forked warm
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import runpy
 import socket
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +130,157 @@ def run_world(
                     "(killed; SLIPSTREAM_TEST_WORLD_TIMEOUT sets the limit)"
                 )
         return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _fresh_entry(
+    fn: Callable[..., Any], args: tuple[Any, ...], environ: dict[str, str], cwd: str, outdir: str
+) -> None:
+    """Entry of :func:`run_fresh`'s process: what a new interpreter running ``fn`` would do."""
+    out, err = (os.open(Path(outdir) / n, os.O_WRONLY | os.O_CREAT, 0o644) for n in ("o", "e"))
+    os.dup2(out, 1)  # children (a launcher's ranks) inherit these too
+    os.dup2(err, 2)
+    atexit._clear()
+    os.environ.clear()
+    os.environ.update(environ)
+    import _slipstream_as_deepspeed as alias
+
+    alias.uninstall()
+    alias.install_from_env()
+    os.chdir(cwd)
+    if "OMP_NUM_THREADS" in environ:  # what torch reads when it starts in a new interpreter
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    code = 0
+    try:
+        result = fn(*args)
+        torch.save(result, Path(outdir) / "result.pt")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def start_fresh(
+    fn: Callable[..., Any],
+    *args: Any,
+    outdir: str,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> multiprocessing.process.BaseProcess:
+    """Start what :func:`run_fresh` runs and return the process at once (its stdout, stderr and
+    return value go to files ``o``, ``e`` and ``result.pt`` in ``outdir``)."""
+    environ = dict(os.environ if env is None else env)
+    ctx = multiprocessing.get_context("forkserver")
+    proc = ctx.Process(  # type: ignore[attr-defined]
+        target=_fresh_entry, args=(fn, args, environ, str(cwd or os.getcwd()), outdir)
+    )
+    proc.start()
+    return proc
+
+
+def run_fresh(
+    fn: Callable[..., Any],
+    *args: Any,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``fn(*args)`` in one process forked from the harness's fork server, as a fresh
+    ``python`` would run it: no process group, the environment ``env`` (default: this one),
+    its own exit handlers run at the end, stdout/stderr captured (processes it starts write
+    there too). Costs a fork instead of the seconds a new interpreter spends importing torch
+    and slipstream.
+
+    Returns a ``CompletedProcess`` whose ``returncode`` is 0, ``fn``'s ``SystemExit`` code,
+    or 1 (an exception: its traceback ends ``stderr``), with ``fn``'s return value as
+    ``.result``. A process still running after ``timeout_s`` is killed (its launched ranks die
+    with it) and ``subprocess.TimeoutExpired`` is raised, as ``subprocess.run`` does.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        proc = start_fresh(fn, *args, env=env, cwd=cwd, outdir=outdir)
+        proc.join(timeout_s)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            out, err = ((Path(outdir) / n).read_bytes() for n in ("o", "e"))
+            raise subprocess.TimeoutExpired(fn.__qualname__, timeout_s, out, err)
+        result = Path(outdir) / "result.pt"
+        done = subprocess.CompletedProcess(
+            [fn.__qualname__, *map(str, args)],
+            proc.exitcode,
+            (Path(outdir) / "o").read_text(errors="replace"),
+            (Path(outdir) / "e").read_text(errors="replace"),
+        )
+        done.result = torch.load(result, weights_only=False) if result.exists() else None  # type: ignore[attr-defined]
+    return done
+
+
+def cli_main(argv: list[str]) -> int:
+    """`slipstream ARGV` in this process: the function run_cli forks."""
+    from slipstream.cli.main import main
+
+    return main(argv)
+
+
+def run_cli(
+    argv: Sequence[str],
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m slipstream.cli.main ARGV`` (exit status, stdout, stderr), forked warm by
+    :func:`run_fresh` instead of a new interpreter. A job it launches starts its ranks as the
+    command does (fresh interpreters through the launcher)."""
+    done = run_fresh(cli_main, list(argv), env=env, cwd=cwd, timeout_s=timeout_s)
+    if done.returncode == 0 and isinstance(done.result, int):  # type: ignore[attr-defined]
+        done.returncode = done.result  # type: ignore[attr-defined]
+    return done
+
+
+def _script_main(target: str, args: list[str], module: bool) -> None:
+    sys.argv = [target, *args]
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, str(Path(target).resolve().parent))
+        runpy.run_path(target, run_name="__main__")
+
+
+def run_script(
+    target: str | Path,
+    *args: str,
+    module: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``python TARGET ARGS`` (``python -m TARGET ARGS`` with ``module=True``) as ``__main__``,
+    forked warm by :func:`run_fresh`: exit status, stdout and stderr as ``subprocess.run``
+    gives them, without the seconds of importing torch and slipstream again."""
+    return run_fresh(_script_main, str(target), list(args), module, env=env, cwd=cwd,
+                     timeout_s=timeout_s)  # fmt: skip
+
+
+def _exec_code(code: str) -> None:
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
+def run_code(
+    code: str,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE``, forked warm by :func:`run_fresh` (``SLIPSTREAM_AS_DEEPSPEED`` in
+    ``env`` applies as at interpreter start). Not for what only a new interpreter shows (the
+    ``.pth`` hook itself, what ``import slipstream`` imports): start one for those."""
+    return run_fresh(_exec_code, code, env=env, cwd=cwd, timeout_s=timeout_s)

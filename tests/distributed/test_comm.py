@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from tests.distributed import _comm_workloads as w
-from tests.distributed.harness import run_world
+from tests.distributed.harness import run_fresh, run_world
 
 
 def test_collectives_exact_and_counted():
@@ -31,23 +33,22 @@ def test_collectives_exact_and_counted():
         ) in r["diverged_late"], r["diverged_late"]
 
 
+def _init_a_world_of_one() -> bool:
+    from slipstream.distributed import comm
+
+    comm.init_distributed()
+    assert comm.get_world_size() == 1
+    return "MASTER_PORT" in os.environ
+
+
 def test_world_of_one_leaves_no_master_port_for_child_processes():
     """A single-process init must not export MASTER_PORT: processes launched afterwards would
-    inherit it and collide with this live rendezvous (EADDRINUSE)."""
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "import os; from slipstream.distributed import comm; comm.init_distributed(); "
-        "assert comm.get_world_size() == 1; print('MASTER_PORT' in os.environ)"
-    )
+    inherit it and collide with this live rendezvous (EADDRINUSE). (A fresh process forked
+    warm: tests before this one may have set up a process group here.)"""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
-    )
+    out = run_fresh(_init_a_world_of_one, env=env, timeout_s=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False"
+    assert out.result is False
 
 
 def test_flags_and_the_mesh_group_helpers():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from slipstream.cli.main import main
 from slipstream.inference import generate
 from tests._tiny_models import EOS, VOCAB, tiny_llama
+from tests.distributed.harness import run_cli
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -65,16 +64,15 @@ def _chat_ids(tok, prompt):
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids
 
 
-@pytest.mark.slow  # three interpreters start (launcher + 2 ranks): 12-35 s on this machine
+@pytest.mark.slow  # two interpreters start (the 2 ranks; the launcher is forked warm)
 def test_generate_on_two_tensor_parallel_ranks(tmp_path):
     """--tp 2 launches two ranks the way `slipstream run` does; rank 0 prints the answer,
     which is the one-process answer."""
     model, tok = _save(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "generate", str(tmp_path), "--prompt",
-         "w3 w9 w40", "--max-new-tokens", "6", "--tp", "2", "--temperature", "0.9",
-         "--seed", "5"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    proc = run_cli(
+        ["generate", str(tmp_path), "--prompt", "w3 w9 w40", "--max-new-tokens", "6", "--tp",
+         "2", "--temperature", "0.9", "--seed", "5"],
+        cwd=ROOT, timeout_s=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = _chat_ids(tok, "w3 w9 w40")

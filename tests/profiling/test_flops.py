@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from torch import nn
 from slipstream.models import GPT, GPTConfig
 from slipstream.models.gpt import RMSNorm
 from slipstream.profiling.flops import FlopsProfiler, get_model_profile, training_flops
-from tests.distributed.harness import run_world
+from tests.distributed.harness import run_code, run_world
 from tests.profiling import _flops_workloads as w
 
 
@@ -149,13 +147,8 @@ _PROFILE_THROUGH_DEEPSPEED = textwrap.dedent(
 def _profile_through_deepspeed(alias: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_AS_DEEPSPEED"}
     env |= {"SLIPSTREAM_AS_DEEPSPEED": "1"} if alias else {"DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROFILE_THROUGH_DEEPSPEED],
-        env=env | {"OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # Forked warm, the alias applied as at interpreter start.
+    proc = run_code(_PROFILE_THROUGH_DEEPSPEED, env=env | {"OMP_NUM_THREADS": "1"}, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from slipstream.cli.main import main
+from tests.distributed.harness import run_cli
 from tests.rlhf._chat_workloads import records, saved_state
 
 SMALL = [
@@ -36,10 +35,9 @@ def _state(directory: Path) -> dict[str, torch.Tensor]:
 
 def test_chat_runs_all_three_steps_on_a_tiny_gpt(tmp_path, capsys):
     data, out = _write_data(tmp_path / "data", 20), tmp_path / "out"
-    cmd = [sys.executable, "-m", "slipstream.cli.main", "chat", "--actor", "gpt:tiny",
-           "--reward", "gpt:tiny", "--data", str(data), "--output", str(out), "--step", "all",
-           "--step2-epochs", "2", *SMALL]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    cmd = ["chat", "--actor", "gpt:tiny", "--reward", "gpt:tiny", "--data", str(data),
+           "--output", str(out), "--step", "all", "--step2-epochs", "2", *SMALL]  # fmt: skip
+    done = run_cli(cmd, timeout_s=240)  # the command in a process of its own, forked warm
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     # 20 records, 2,4,4 split: 4 / 8 / 8 records at 2 per step -> 2, 2 x 4 and 4 steps.

@@ -3,14 +3,13 @@ raises on every rank with ``nonfinite_gradients: "error"`` — never applied, ne
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.distributed.harness import run_world
+from tests.runtime import _nonfinite_workloads as w
 
 SKIP_CASES = [
     ("fp32", 0, "one"),
@@ -24,32 +23,13 @@ SKIP_CASES = [
 ]
 ERROR_CASES = [("fp32", 0), ("bf16", 3)]
 
-_RUN = """
-import sys, torch
-from tests.distributed.harness import run_world
-from tests.runtime import _nonfinite_workloads as w
-torch.save(run_world(w.all_cases, 2, {skip!r}, {error!r}), sys.argv[1])
-"""
-
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    """Both ranks' results, from a subprocess with a timeout: a rank that does not raise
-    while the other does would hang in the next collective, and must fail, not hang, here."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.pt"
-        code = _RUN.format(skip=SKIP_CASES, error=ERROR_CASES)
-        root = Path(__file__).resolve().parents[2]
-        proc = subprocess.run(
-            [sys.executable, "-c", code, str(out)],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        ranks = torch.load(out, weights_only=False)
-    return {"ranks": ranks}
+    """Both ranks' results. A rank that does not raise while the other does would hang in the
+    next collective: the harness kills a world still running after 240 s, so that fails
+    (TimeoutError) instead of hanging."""
+    return {"ranks": run_world(w.all_cases, 2, SKIP_CASES, ERROR_CASES, timeout_s=240)}
 
 
 def _case(results: dict[str, Any], kind: str, case: tuple[Any, ...]) -> list[dict[str, Any]]:

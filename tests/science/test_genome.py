@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from slipstream.science import decode, encode, synthetic_genomes
+from tests.distributed.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,9 +46,8 @@ def test_encode_decode_round_trip_and_errors() -> None:
 def test_genome_lm_example_trains_and_compares_memory() -> None:
     """examples/genome_lm.py runs (tiny sizes): training log, held-out losses, memory table."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "examples" / "genome_lm.py"), "--steps", "4",
-           "--seq-len", "128", "--mem-seq-len", "256", "--mem-layers", "3"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    args = ["--steps", "4", "--seq-len", "128", "--mem-seq-len", "256", "--mem-layers", "3"]
+    proc = run_script(ROOT / "examples" / "genome_lm.py", *args, env=env, cwd=ROOT, timeout_s=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "held-out loss on motif bases" in proc.stdout
     assert "live tensors  without checkpointing" in proc.stdout

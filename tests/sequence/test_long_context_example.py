@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.harness import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_long_context_example_fits_with_sp_only():
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli.main", "run", "--nproc", "2",
-         str(ROOT / "examples" / "long_context.py"), "--seq", "512", "--layers", "1",
-         "--steps", "1", "--budget-mib", "12"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    proc = run_cli(
+        ["run", "--nproc", "2", str(ROOT / "examples" / "long_context.py"), "--seq", "512",
+         "--layers", "1", "--steps", "1", "--budget-mib", "12"],
+        cwd=ROOT, timeout_s=240,
     )  # fmt: skip
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.harness import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_apf_example_runs_at_toy_size() -> None:
-    cmd = [sys.executable, str(ROOT / "examples" / "apf_segmentation.py"), "--image-size", "128",
-           "--length", "16", "--steps", "2", "--train-images", "2", "--test-images", "1",
-           "--batch", "2", "--threads", "1"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    args = ["--image-size", "128", "--length", "16", "--steps", "2", "--train-images", "2",
+            "--test-images", "1", "--batch", "2", "--threads", "1"]  # fmt: skip
+    proc = run_script(ROOT / "examples" / "apf_segmentation.py", *args, cwd=ROOT, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [
         line.split()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from torch import nn
 import slipstream
 from slipstream.models import GPT, GPTConfig
 from slipstream.zero import GatheredParameters, Init, ZeroParamStatus, materialize_
-from tests.distributed.harness import run_world
+from tests.distributed.harness import run_fresh, run_world
 
 
 def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -48,25 +46,21 @@ def test_gpt_under_init_is_partitioned_with_eager_weights_bit_for_bit(tie):
         assert torch.equal(eager(x, x), model(x, x))
 
 
+def _init_alone() -> bool:
+    with Init():
+        model = GPT(GPTConfig.preset("tiny"))
+    assert not dist.is_initialized()
+    return bool(next(model.parameters()).ds_tensor.numel() == next(model.parameters()).ds_numel)
+
+
 def test_init_without_torch_distributed_makes_no_process_group():
     """A plain single process (no launcher, no group): Init runs as a world of one and
-    creates no process group (a fresh interpreter: tests before this one may have made one)."""
-    code = (
-        "import torch.distributed as dist\n"
-        "from slipstream.models import GPT, GPTConfig\n"
-        "from slipstream.zero import Init\n"
-        "with Init():\n"
-        "    model = GPT(GPTConfig.preset('tiny'))\n"
-        "assert not dist.is_initialized()\n"
-        "print('world', next(model.parameters()).ds_tensor.numel() == "
-        "next(model.parameters()).ds_numel)\n"
-    )
+    creates no process group (a fresh process forked warm: tests before this one may have
+    made one here)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
-    )
+    proc = run_fresh(_init_alone, env=env, timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "world True"
+    assert proc.result is True
 
 
 def test_materialize_keeps_working_on_a_meta_model():
