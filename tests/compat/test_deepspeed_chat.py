@@ -70,14 +70,7 @@ def _floats(pattern: str, text: str) -> list[float]:
     return [float(x) for x in re.findall(pattern, text)]
 
 
-_Z3_STEP3 = pytest.mark.xfail(
-    strict=True,
-    reason="step 3 at ZeRO-3: the reward engine's embed_tokens is empty in forward_value "
-    "(docs/compatibility.md, DeepSpeed-Chat)",
-)
-
-
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=_Z3_STEP3)])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_three_steps_run_unchanged(tmp_path: Path, stage: int) -> None:
     """Each step exits 0 and saves its model; losses are finite; step 1's loss falls."""
     made = assets.build(tmp_path)
