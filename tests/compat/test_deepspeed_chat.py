@@ -13,6 +13,7 @@ them the test skips (CI has no checkout). It takes several minutes on 2 CPU core
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -46,6 +47,8 @@ def _usable() -> str | None:
     """Why the test cannot run here, or None."""
     if not CHECKOUT or not (assets.chat_dir(CHECKOUT) / "training").is_dir():
         return "set DEEPSPEED_EXAMPLES to a DeepSpeedExamples checkout"
+    if importlib.util.find_spec("datasets") is None:  # _chat_assets builds the data here
+        return "the local dataset is built in this process: put datasets on its PYTHONPATH too"
     probe = "import datasets\nfrom transformers.modeling_utils import no_init_weights\n"
     proc = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True)
     if proc.returncode != 0:
