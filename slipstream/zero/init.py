@@ -124,7 +124,10 @@ class Init:
             "pin_memory": pin_memory,
             "mpu": mpu is not None,
         }
-        bad = [k for k, v in unsupported.items() if v]
+        # enabled=False is a no-op context, whatever else is passed (Lightning's
+        # DeepSpeedStrategy enters zero.Init(enabled=stage == 3, config_dict_or_path=its
+        # stage-2 config) around configure_model at every stage).
+        bad = [k for k, v in unsupported.items() if v and enabled]
         if bad:
             raise NotImplementedError(
                 f"zero.Init({bad[0]}=...) is not supported: build the model inside the "
@@ -134,7 +137,7 @@ class Init:
             )
         del mem_efficient_linear  # a DeepSpeed memory trick for Linear; ours needs none
         source = config_dict_or_path if config_dict_or_path is not None else config
-        if source is not None:
+        if source is not None and enabled:
             from slipstream.config.loader import load_config
 
             raw = source.model_dump() if hasattr(source, "model_dump") else load_config(source)

@@ -28,6 +28,7 @@ from slipstream.distributed import comm, quantized_comm
 from slipstream.distributed.quantize import fit_block, quantize_blocks
 from slipstream.zero.flat import Bucket, Waitable
 from slipstream.zero.param import (
+    EXTERNAL_ATTR,
     OWNER_ATTR,
     ZeroParamStatus,
     bind_,
@@ -367,8 +368,74 @@ class ShardedStore:
         self.order.new_pass("bwd")
         self.release_all()
 
+    # A module inside a unit can run without its unit's forward: a model method other than
+    # ``forward`` calls submodules directly (DeepSpeed-Chat's ``reward_model.forward_value``
+    # calls ``self.rwtransformer(...)`` and ``self.v_head(...)``). DeepSpeed gathers each
+    # module's own parameters whenever that module runs, whatever called it; here such a
+    # module gathers the units its parameters are in for the length of its forward (and
+    # again for its backward). Inside its unit's forward the units are already held and the
+    # hooks only count.
+    def _pre_inner(self, mod: nn.Module, uses: list[int]) -> None:
+        held = [self.units[u] for u in uses if self.units[u].active == 0]
+        self._inner_held.setdefault(id(mod), []).append(held)
+        for unit in held:
+            unit.active += 1
+            self.gather(unit)
+
+    def _post_inner(self, mod: nn.Module, output: Any) -> None:
+        stack = self._inner_held.get(id(mod))
+        if not stack:
+            return
+        held = stack.pop()
+        if not held:
+            return
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, held=held: self._gather_for_backward(held))
+        for unit in held:
+            unit.active -= 1
+            self.release(unit)
+
+    def _gather_for_backward(self, units: list[Unit]) -> None:
+        for unit in units:
+            self.gather(unit, "bwd")
+
+    def _inner_modules(self) -> list[tuple[nn.Module, list[int]]]:
+        """Each module inside a unit (not a unit itself) whose subtree, short of other
+        units, holds parameters this store gathers; with the units those are in."""
+        unit_mods = {id(u.module) for u in self.units}
+        out: dict[int, tuple[nn.Module, list[int]]] = {}
+
+        def walk(mod: nn.Module) -> set[int]:
+            mine = {
+                o.unit.index
+                for p in [*mod._parameters.values(), *getattr(mod, EXTERNAL_ATTR, [])]
+                if p is not None and (o := unit_owner(p)) is not None and o.store is self
+            }
+            for child in mod.children():
+                if id(child) not in unit_mods:
+                    mine |= walk(child)
+            if mine and id(mod) not in unit_mods:
+                out[id(mod)] = (mod, sorted(mine))
+            return mine
+
+        for unit in self.units:
+            walk(unit.module)
+        return list(out.values())
+
     def install_hooks(self) -> None:
         handles = self.handles
+        self._inner_held: dict[int, list[list[Unit]]] = {}
+        for mod, uses in self._inner_modules():
+            handles.append(
+                mod.register_forward_pre_hook(lambda m, a, uses=uses: self._pre_inner(m, uses))
+            )
+            handles.append(
+                mod.register_forward_hook(
+                    lambda m, a, out: self._post_inner(m, out), always_call=True
+                )
+            )
         # state_dict() hands out the released placeholders (empty), as DeepSpeed's does: warn
         # with directions, unless the parameters are gathered.
         owners = {id(m): m for u in self.units for m in u.module.modules()}

@@ -66,6 +66,12 @@ class ValueHead(nn.Module):
         hidden = self.rwtransformer(input_ids=input_ids).last_hidden_state
         return self.v_head(hidden).squeeze(-1)
 
+    def forward_value(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed-Chat's scoring entry point: a method other than ``forward``, called on
+        the engine, that runs the submodules itself (so no hook of the root module fires)."""
+        hidden = self.rwtransformer(input_ids=input_ids)[0]
+        return self.v_head(hidden).squeeze(-1)
+
 
 def batches(world: int, vocab: int) -> list[torch.Tensor]:
     """One global batch per step (rank ``r`` reads rows ``r*MICRO:(r+1)*MICRO``)."""
@@ -80,7 +86,7 @@ def vocab_of(case: str) -> int:
 
 def loss_of(model: nn.Module, case: str, x: torch.Tensor) -> torch.Tensor:
     if case.startswith("head"):
-        values = model(x)
+        values = model.forward_value(x) if case == "head_value" else model(x)
         return ((values.float() - x.float() / VOCAB) ** 2).mean()
     return model(input_ids=x, labels=x).loss
 
@@ -124,6 +130,13 @@ def run_case(case: str, model_dir: str) -> dict[str, Any]:
         every = [torch.zeros(()) for _ in range(world)]
         dist.all_gather(every, loss.detach().float())
         losses.append(torch.stack(every).mean().item())
+    scored = None
+    if case == "head_value":  # then score as generate_experience does: eval, no_grad
+        engine.eval()
+        with torch.no_grad():
+            scored = engine.forward_value(x[rank * MICRO : (rank + 1) * MICRO]).float()
+        released = [n for n, p in params.items() if p.numel() == 0 and p.ds_numel > 0]
+        scored = {"x": x[rank * MICRO : (rank + 1) * MICRO], "values": scored, "released": released}
     tied = None
     if hasattr(engine.module, "lm_head"):
         tied = engine.module.lm_head.weight is engine.module.get_input_embeddings().weight
@@ -135,6 +148,7 @@ def run_case(case: str, model_dir: str) -> dict[str, Any]:
         "losses": losses,
         "final": _gathered(engine.module),
         "tied": tied,
+        "scored": scored,
     }
     engine.destroy()
     return out
@@ -145,6 +159,7 @@ def all_cases(dirs: dict[str, str]) -> dict[str, Any]:
         "resize_tied": dirs["tied"],
         "resize_untied": dirs["untied"],
         "head": dirs["untied"],
+        "head_value": dirs["untied"],
         "head_bf16": dirs["untied"],
     }
     out: dict[str, Any] = {}

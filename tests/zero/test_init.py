@@ -173,6 +173,12 @@ def test_init_rejects_options_it_does_not_implement():
         Init(config_dict_or_path={"zero_optimization": {"stage": 2}})
     with Init(enabled=False):
         assert not nn.Linear(2, 2).weight.is_meta
+    # Disabled, it checks nothing, as DeepSpeed's: Lightning's DeepSpeedStrategy enters
+    # zero.Init(enabled=stage == 3, config_dict_or_path=<its stage-2 config>) at stage 2.
+    with Init(enabled=False, config_dict_or_path={"zero_optimization": {"stage": 2}}):
+        assert not nn.Linear(2, 2).weight.is_meta
+    with Init(enabled=False, remote_device="cpu"):
+        assert not nn.Linear(2, 2).weight.is_meta
 
 
 def _train_first_losses(stage: int, deferred: bool) -> list[float]:

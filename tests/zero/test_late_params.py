@@ -62,10 +62,10 @@ def _reference(case: str, model_dir: str, start: dict[str, torch.Tensor]) -> dic
         opt.zero_grad()
         losses.append(loss.item())
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "final": final}
+    return {"losses": losses, "final": final, "model": model}
 
 
-@pytest.mark.parametrize("case", ["resize_tied", "resize_untied", "head"])
+@pytest.mark.parametrize("case", ["resize_tied", "resize_untied", "head", "head_value"])
 def test_trains_like_the_model_built_without_zero_init(
     results: dict[str, Any], dirs: dict[str, str], case: str
 ) -> None:
@@ -111,3 +111,22 @@ def test_added_head_takes_the_training_dtype(results: dict[str, Any]) -> None:
     fp32 = results["head"]["losses"]
     assert got["losses"][0] == pytest.approx(fp32[0], rel=1e-2)
     assert all(math.isfinite(x) for x in got["losses"])
+
+
+def test_a_method_other_than_forward_gathers_what_it_runs(
+    results: dict[str, Any], dirs: dict[str, str]
+) -> None:
+    """DeepSpeed-Chat's critic: a ZeRO-3 value model trained (the ``head_value`` case above)
+    and then scored through ``forward_value``, a method other than ``forward`` that calls the
+    submodules itself, so no hook of the root module fires. Each submodule gathers the
+    parameters it runs, as in DeepSpeed: after training, the scores equal the single-process
+    model's (1e-5) and the root's parameters are released again afterwards."""
+    got = results["head_value"]
+    assert not isinstance(got, str), got
+    ref = _reference("head_value", dirs["untied"], got["start"])
+    base = ref["model"]
+    with torch.no_grad():
+        want = base.forward_value(got["scored"]["x"])
+    torch.testing.assert_close(got["scored"]["values"], want, rtol=1e-5, atol=1e-5)
+    assert "rwtransformer.embed_tokens.weight" in got["scored"]["released"]
+    assert "v_head.weight" in got["scored"]["released"]
