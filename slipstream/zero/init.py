@@ -29,13 +29,17 @@ How a module is initialized, first match wins:
 
 For a model whose eager ``__init__`` runs the same per-module initializer in ``named_modules``
 order from the same RNG state (``slipstream.models.GPT`` does), the weights equal eager
-construction bit for bit. Otherwise they are drawn from the same initializers in a different
+construction bit for bit; so do those of a model made only of layers with
+``reset_parameters`` (plain torch), initialized in the order they were built, as eager
+construction does. Otherwise they are drawn from the same initializers in a different
 order: same distributions, not the same numbers.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -69,6 +73,10 @@ __all__ = [
 
 _STATE = threading.local()
 _RNG_ATTR = "_slipstream_init_rng"  # RNG state captured at Init entry, kept on the root model
+# When a module first registered a parameter under Init: eager construction initializes plain
+# torch layers in that order (each one's reset_parameters ends its own __init__).
+_ORDER_ATTR = "_slipstream_init_order"
+_BUILD_COUNTER = itertools.count()
 
 
 def deferred_init_active() -> bool:
@@ -198,6 +206,8 @@ class Init:
             _STATE.rng = _capture_rng()
         if not hasattr(module, _RNG_ATTR):
             object.__setattr__(module, _RNG_ATTR, _STATE.rng)
+        if not hasattr(module, _ORDER_ATTR):
+            object.__setattr__(module, _ORDER_ATTR, next(_BUILD_COUNTER))
         if init_owner(param) is not None:
             return None  # already partitioned (registered again, e.g. tied after a flush)
         dtype = self.dtype if self.dtype is not None and param.is_floating_point() else param.dtype
@@ -254,9 +264,7 @@ def _initializers(
     owner: dict[str, tuple[nn.Module, str]] = {}  # module name -> (model, its name)
     out: dict[int, Callable[[], None]] = {}
     for name, mod in modules:
-        if callable(getattr(mod, "init_module_weights", None)) or callable(
-            getattr(mod, "_init_weights", None)
-        ):
+        if _has_model_initializer(mod):
             owner[name] = (mod, name)
         else:
             parent = name.rsplit(".", 1)[0] if "." in name else ""
@@ -275,6 +283,12 @@ def _initializers(
         if callable(reset):
             out[id(mod)] = reset
     return out
+
+
+def _has_model_initializer(module: nn.Module) -> bool:
+    return callable(getattr(module, "init_module_weights", None)) or callable(
+        getattr(module, "_init_weights", None)
+    )
 
 
 def _no_initializer(name: str, module: nn.Module) -> TypeError:
@@ -331,6 +345,11 @@ def _materialize(
             if p is not None and id(p) in pending:
                 remaining[id(p)] = remaining.get(id(p), 0) + 1
     inits = _initializers(modules)
+    if not any(_has_model_initializer(m) for _, m in modules):
+        # Only reset_parameters: initialize in construction order, as eager construction does
+        # (a module registered under another name than the order it was built in, e.g. a
+        # head built after the blocks but assigned first, then draws the same numbers).
+        modules = sorted(modules, key=lambda nm: getattr(nm[1], _ORDER_ATTR, math.inf))
     live = peak = 0
     for name, mod in modules:
         held = [p for p in mod._parameters.values() if p is not None and id(p) in pending]

@@ -107,6 +107,32 @@ def test_plain_torch_modules_fall_back_to_reset_parameters_and_dtype_applies():
     assert torch.equal(got["1.weight"], torch.ones(8, dtype=torch.bfloat16))
 
 
+class _HeadAssignedFirst(nn.Module):
+    """Built blocks-then-head, registered head-then-blocks (as Lightning's example model is):
+    named_modules order differs from construction order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6))
+        head = nn.Linear(6, 3)
+        self.head = head
+        self.blocks = blocks
+
+
+def test_plain_torch_model_gets_eager_weights_in_construction_order():
+    """DeepSpeed initializes each layer as it is built; a plain-torch model under Init draws
+    the same numbers as eager construction, even where registration order differs."""
+    torch.manual_seed(7)
+    eager = dict(_HeadAssignedFirst().named_parameters())
+    torch.manual_seed(7)
+    with Init():
+        model = _HeadAssignedFirst()
+    got = _full_values(model)
+    assert list(got) == list(eager)
+    for name, value in eager.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_gathered_parameters_edits_land_in_the_shards_only_with_modifier_rank():
     with Init():
         model = nn.Sequential(nn.Linear(3, 2))
