@@ -90,6 +90,9 @@ class HybridEngine:
         """``"paged"``: decode on the continuous-batching engine where it applies (see
         :meth:`run`); ``"static"``: always the static decode loop."""
         self._sync_group = _zero3_group(engine.module)
+        # ZeRO-3 releases parameters between forwards even in a world of one (not partitioned,
+        # so no sync group): gathering them once per call is needed there too.
+        self._released = any(unit_owner(p) is not None for p in engine.module.parameters())
         self.has_lora = any(isinstance(m, LoRALinear) for m in engine.module.modules())
         self._tp: TPGenerator | None = None
         if config.inference_tp_size > 1:
@@ -158,7 +161,7 @@ class HybridEngine:
         check_length(
             req, self.config.max_out_tokens, generation.driver_for(module).context_length(module)
         )
-        pinned = self.zero3 and self.config.pin_parameters
+        pinned = self._released and self.config.pin_parameters
         started = time.perf_counter()
         with gathered_model(module) if pinned else nullcontext(), self._lora(pinned):
             decode_started = time.perf_counter()
@@ -191,7 +194,7 @@ class HybridEngine:
         generating. Unpinned ZeRO-3 gathers one layer at a time, so the adapters run unfused
         (the same function, two small GEMMs more per converted layer).
         """
-        if not self.has_lora or (self.zero3 and not pinned):
+        if not self.has_lora or (self._released and not pinned):
             return nullcontext()
         return fused_lora(self.engine.module, keep_base=True)
 
