@@ -285,13 +285,17 @@ def _run(cmd: list[str], log_path: Path, start: int, end: int, batch: int,
 
 
 def _first_error(lines: list[str]) -> str:
-    """The launcher's one-line failure report, or the last exception line."""
+    """The launcher's one-line failure report, or the last exception line. The ranks and the
+    launcher share one pipe, so a report may follow a rank's unfinished line, and a rank's
+    exception line may carry torch's ``[rankN]:`` prefix."""
     for line in lines:
-        if line.startswith("slipstream run: rank") and "secondary" not in line:
-            return line.strip()
+        at = line.find("slipstream run: rank")
+        if at >= 0 and "secondary" not in line:
+            return line[at:].strip()
     for line in reversed(lines):
-        if re.match(r"^\s*\w*(Error|Exception)\b", line.strip()):
-            return line.strip()
+        text = re.sub(r"^\s*\[rank\d+\]:\s*", "", line).strip()
+        if re.match(r"^\w*(Error|Exception)\b", text):
+            return text
     return ""
 
 

@@ -249,3 +249,18 @@ def test_overwrite_false_reuses_results(tmp_path: Path) -> None:
     assert summary["candidates"][0]["measured"]["samples_per_s"] == 12.5
     assert Layout(**{k: v for k, v in summary["candidates"][0]["layout"].items()
                      if k in Layout.__dataclass_fields__}) == ranked[0].prediction.layout  # fmt: skip
+
+
+def test_first_error_finds_the_report_inside_interleaved_output() -> None:
+    """Ranks and launcher share one pipe: the report may follow a rank's unfinished line, and
+    a rank's exception line may carry torch's ``[rankN]:`` prefix."""
+    from slipstream.cli.tune import _first_error
+
+    report = "slipstream run: rank 1 (local rank 1) failed with exit code 1; RuntimeError: x"
+    assert _first_error(["step 1\n", f"[rank0]: half a line{report}\n"]) == report
+    assert _first_error(["[rank1]: RuntimeError: rank 1 fails\n", "done\n"]) == (
+        "RuntimeError: rank 1 fails"
+    )
+    secondary = "slipstream run: rank 0 (secondary: stopped after rank 1 failed)\n"
+    assert _first_error([secondary, "ValueError: y\n"]) == "ValueError: y"
+    assert _first_error(["nothing to see\n"]) == ""
