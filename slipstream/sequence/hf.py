@@ -291,6 +291,31 @@ def install_hf_ulysses_(model: nn.Module, sp_group: comm.Group) -> str:
     return name
 
 
+def full_sequence_fields(
+    batch: dict[str, Any], ids: torch.Tensor, ignore_index: int, mode: str, hint: str
+) -> dict[str, Any]:
+    """A copy of ``batch`` ready to be cut into sequence shards: ``attention_mask`` dropped
+    (refused when it has padding: ``mode`` attention is causal over the full sequence;
+    ``hint`` adds another way out), ``position_ids`` made ``0..S-1`` when absent, and
+    ``labels`` shifted on the full sequence into ``shift_labels`` (and ``labels``)."""
+    b, s = ids.shape[0], ids.shape[1]
+    out = dict(batch)
+    mask = out.pop("attention_mask", None)
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        raise ValueError(
+            f"sequence parallelism: the batch's attention_mask has padding (zeros); {mode} "
+            "attention is causal over the full sequence and cannot apply it. Drop "
+            f"attention_mask and set labels = -100 on the padded positions{hint}"
+        )
+    if out.get("position_ids") is None:
+        out["position_ids"] = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
+    labels = out.get("labels")
+    if labels is not None and out.get("shift_labels") is None:
+        out["shift_labels"] = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
+        out["labels"] = out["shift_labels"]
+    return out
+
+
 def shard_causal_lm_batch(
     batch: dict[str, Any], sp_world_size: int, sp_rank: int, ignore_index: int = -100
 ) -> dict[str, Any]:
@@ -314,27 +339,14 @@ def shard_causal_lm_batch(
         raise ValueError(
             f"shard_causal_lm_batch needs input_ids or inputs_embeds, got keys {sorted(batch)}"
         )
-    b, s = ids.shape[0], ids.shape[1]
+    s = ids.shape[1]
     if s % sp_world_size:
         raise ValueError(
             f"sequence parallelism: sequence length {s} (input shape {tuple(ids.shape)}) is "
             f"not divisible by sequence_parallel_size={sp_world_size}; pad the sequences "
             "(labels = -100 on the padding) or crop them to a multiple of it"
         )
-    out = dict(batch)
-    mask = out.pop("attention_mask", None)
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        raise ValueError(
-            "sequence parallelism: the batch's attention_mask has padding (zeros); Ulysses "
-            "attention is causal over the full sequence and cannot apply it. Drop "
-            "attention_mask and set labels = -100 on the padded positions"
-        )
-    if out.get("position_ids") is None:
-        out["position_ids"] = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
-    labels = out.get("labels")
-    if labels is not None and out.get("shift_labels") is None:
-        out["shift_labels"] = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
-        out["labels"] = out["shift_labels"]
+    out = full_sequence_fields(batch, ids, ignore_index, "Ulysses", "")
     chunk = s // sp_world_size
     lo, hi = sp_rank * chunk, (sp_rank + 1) * chunk
     for key, value in out.items():

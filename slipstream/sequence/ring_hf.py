@@ -25,11 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slipstream.distributed import comm
-from slipstream.sequence.hf import _check_causal_lm, _sp_loss
+from slipstream.sequence.hf import _check_causal_lm, _sp_loss, full_sequence_fields
 from slipstream.sequence.ring import (
     check_usp_heads,
     doc_starts,
@@ -69,21 +68,10 @@ def shard_causal_lm_batch_ring(
     ulysses = sp_world_size // ring
     ids = batch["input_ids"]
     b, s = ids.shape[0], ids.shape[1]
-    out = dict(batch)
-    mask = out.pop("attention_mask", None)
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        raise ValueError(
-            "sequence parallelism: the batch's attention_mask has padding (zeros); ring "
-            "attention is causal over the full sequence and cannot apply it. Drop "
-            "attention_mask and set labels = -100 on the padded positions (or pack documents "
-            "with position ids restarting at 0)"
-        )
-    if out.get("position_ids") is None:
-        out["position_ids"] = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
-    labels = out.get("labels")
-    if labels is not None and out.get("shift_labels") is None:
-        out["shift_labels"] = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
-        out["labels"] = out["shift_labels"]
+    out = full_sequence_fields(
+        batch, ids, ignore_index, "ring",
+        " (or pack documents with position ids restarting at 0)",
+    )  # fmt: skip
     full = _padded_length(s, ring, ulysses)
     pad = full - s
     idx = sequence_shard_indices(full, ring, sp_rank, ulysses, ids.device)
