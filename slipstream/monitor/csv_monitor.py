@@ -13,7 +13,7 @@ from slipstream.profiling import monitor as backends
 __all__ = ["csvMonitor"]
 
 
-class csvMonitor(SingleMonitor):  # noqa: N801 (DeepSpeed's class name)
+class csvMonitor(SingleMonitor):
     """One ``<name>.csv`` per scalar in ``output_path/job_name`` (rank 0, enabled), rows
     ``step,value`` under a ``step,<last part of the name>`` header; ``/`` and spaces in the
     name become ``_`` in the file name."""

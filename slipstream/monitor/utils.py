@@ -11,7 +11,9 @@ def _check(module: str, install: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"this monitor needs the '{module}' package: pip install {install}") from exc
+        raise ImportError(
+            f"this monitor needs the '{module}' package: pip install {install}"
+        ) from exc
 
 
 def check_tb_availability() -> None:

@@ -106,5 +106,5 @@ def test_enabled_and_rank_gate_writing(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_unknown_monitor_key_is_refused() -> None:
-    with pytest.raises(ConfigError, match="csv_monitor.outptu_path"):
+    with pytest.raises(ConfigError, match=r"csv_monitor\.outptu_path"):
         get_monitor_config({"csv_monitor": {"enabled": True, "outptu_path": "x"}})
