@@ -36,6 +36,7 @@ FLOORS: list[set[str]] = [
     {""},  # slipstream/__init__.py, the public facade
     {"cli"},
     {"launcher"},  # deepspeed.launcher.runner: the `deepspeed` command on `slipstream run`
+    {"constants"},  # deepspeed.constants: the launcher's port and variable names
 ]
 FLOOR_OF = {unit: i for i, floor in enumerate(FLOORS) for unit in floor}
 
