@@ -5,9 +5,12 @@ gathered copy) for backward and, should the parameter be released by then, gathe
 backward and releases it after. slipstream's ZeRO-3 releases a parameter by pointing it at an
 empty placeholder and gathers it again before the unit's backward (:mod:`.param`), so a saved
 parameter sees its values again in backward; :class:`LinearFunctionForZeroStage3` does what
-DeepSpeed's does on top of that: a weight still released when its backward runs is gathered
-for it (``GatheredParameters``, collective over the data-parallel group, as DeepSpeed's
-``all_gather``).
+DeepSpeed's does on top of that: a weight still released when its backward runs (it was used
+outside its module, e.g. inside a ``GatheredParameters`` block that has ended) has its unit
+gathered for the backward (collective over the data-parallel group, as DeepSpeed's
+``all_gather``); the store releases the unit once its gradients are reduced, as for any unit
+gathered for backward (not at once: the weight's gradient is accumulated after this function
+returns, at the weight's full shape).
 
 The gradients are ``nn.functional.linear``'s (the same matrix products), for inputs of any
 rank (1-D included) and with or without a bias; under autocast the backward runs in the
@@ -17,23 +20,34 @@ forward's autocast state, as ``torch.amp.custom_bwd`` would.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from slipstream._logging import logger
-from slipstream.zero.gathered import GatheredParameters
 from slipstream.zero.param import ZeroParamStatus, is_zero_param
+from slipstream.zero.sharded_store import unit_owner
 
 __all__ = ["LinearFunctionForZeroStage3", "LinearModuleForZeroStage3", "zero3_linear_wrap"]
 
 
-def _released(weight: torch.Tensor) -> bool:
-    return is_zero_param(weight) and getattr(weight, "ds_status", None) is (
-        ZeroParamStatus.NOT_AVAILABLE
-    )
+def _gather_if_released(weight: torch.Tensor) -> None:
+    """Gather ``weight``'s ZeRO-3 unit for the backward if it is released.
+
+    Raises:
+        RuntimeError: ``weight`` is partitioned but not by a ZeRO-3 engine (a ``zero.Init``
+            model before ``initialize``): nothing would receive its gradient.
+    """
+    if not is_zero_param(weight) or weight.ds_status is not ZeroParamStatus.NOT_AVAILABLE:  # type: ignore[attr-defined]
+        return
+    owner = unit_owner(weight)
+    if owner is None:
+        raise RuntimeError(
+            "zero3_linear_wrap: backward reached a weight partitioned by zero.Init outside a "
+            "ZeRO-3 engine; pass the model to deepspeed.initialize before training it"
+        )
+    owner.store.gather(owner.unit, "bwd")
 
 
 class LinearFunctionForZeroStage3(torch.autograd.Function):
@@ -65,11 +79,8 @@ class LinearFunctionForZeroStage3(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         input, weight, bias = ctx.saved_tensors
         device_type, enabled = ctx.autocast
-        gather = GatheredParameters([weight]) if _released(weight) else nullcontext()
-        with (
-            torch.autocast(device_type=device_type, enabled=enabled, dtype=ctx.autocast_dtype),
-            gather,
-        ):
+        _gather_if_released(weight)
+        with torch.autocast(device_type=device_type, enabled=enabled, dtype=ctx.autocast_dtype):
             return _linear_grads(ctx.needs_input_grad, grad_output, input, weight, bias)
 
 

@@ -142,7 +142,52 @@ def zero3_linear() -> dict[str, Any]:
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()  # the mean of the two halves'
         ref_opt.step()
-    return {"losses": ours, "reference": theirs}
+    return {"losses": ours, "reference": theirs, "released_weight": _released_weight()}
+
+
+def _released_weight() -> dict[str, Any]:
+    """``zero3_linear_wrap`` on a weight used inside a ``GatheredParameters`` block that has
+    ended before the backward (so the weight is released when its backward runs): the
+    gradients and the SGD step equal the one-process ones."""
+    import slipstream
+    from slipstream.zero import GatheredParameters
+    from slipstream.zero.linear import zero3_linear_wrap
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False))
+    start = model[0].weight.detach().clone()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = slipstream.initialize(model=model, config=config)
+    w = engine.module[0].weight
+    rank = dist.get_rank()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    mine = x[2 * rank : 2 * rank + 2].clone().requires_grad_(True)
+    with GatheredParameters([w]):
+        out = zero3_linear_wrap(mine, w)
+    released = w.numel() == 0
+    engine.backward(out.square().mean())
+    engine.step()
+    ref_w = start.clone().requires_grad_(True)
+    ref_x = x[2 * rank : 2 * rank + 2].clone().requires_grad_(True)
+    nn.functional.linear(ref_x, ref_w).square().mean().backward()
+    full_w = start.clone().requires_grad_(True)
+    # the data-parallel mean of the two ranks' losses
+    torch.stack(
+        [nn.functional.linear(x[i : i + 2], full_w).square().mean() for i in (0, 2)]
+    ).mean().backward()
+    assert full_w.grad is not None
+    with GatheredParameters([w]):
+        stepped = w.detach().clone()
+    return {
+        "released": released,
+        "input_grad": float((mine.grad - ref_x.grad).abs().max()),  # type: ignore[operator]
+        "weight": float((stepped - (start - 0.1 * full_w.grad)).abs().max()),
+    }
 
 
 def all_cases(with_trl: bool) -> dict[str, Any]:

@@ -56,3 +56,12 @@ def test_zero3_linear_module_trains_as_nn_linear(results: list[dict[str, Any]]) 
         linear = rank["linear"]
         for ours, ref in zip(linear["losses"], linear["reference"], strict=True):
             assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref))
+
+
+def test_zero3_linear_gathers_a_released_weight_for_backward(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in results:
+        case = rank["linear"]["released_weight"]
+        assert case["released"]  # the weight was released when its backward ran
+        assert case["input_grad"] <= 1e-6 and case["weight"] <= 1e-6
