@@ -89,6 +89,12 @@ def trl_unwrap() -> dict[str, Any]:
         got = _generate(unwrapped, prompt)
     released_after = embed.numel() == 0
     hooks_after = len(offload.forward_hooks)
+    # TRL's ds3_gather_for_generation=False: generate through the ZeRO-3 hooks, which gather
+    # each unit for its forward and release it after.
+    with unwrap_model_for_generation(
+        engine, accelerator, gather_deepspeed3_params=False
+    ) as unwrapped:
+        got_ungathered = _generate(unwrapped, prompt)
 
     batch = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(9 + rank))
     engine.train()
@@ -100,6 +106,7 @@ def trl_unwrap() -> dict[str, Any]:
     return {
         "expected": expected,
         "got": got,
+        "got_ungathered": got_ungathered,
         "hooks": (hooks_before, hooks_inside, hooks_after),
         "released": (released_before, gathered_inside, released_after),
         "loss": (loss.item(), ref_loss.item()),

@@ -39,6 +39,7 @@ def test_unwrap_model_for_generation_gives_the_unpartitioned_tokens(
     for rank in results:
         trl = rank["trl"]
         assert trl["got"] == trl["expected"]
+        assert trl["got_ungathered"] == trl["expected"]  # gather_deepspeed3_params=False
         before, inside, after = trl["hooks"]
         assert before > 0 and inside == 0 and after == before
         assert trl["released"] == (True, True, True)
