@@ -31,11 +31,12 @@ FLOORS: list[set[str]] = [
     {"inference", "planner"},  # inference runs quantized models; the planner reads quant too
     {"rlhf", "multimodal"},  # RLHF generates with the inference engine and trains with runtime
     # DeepSpeed's import paths, each a thin re-export of the units above.
-    {"comm", "pipe", "checkpointing", "utils", "ops"},
+    {"comm", "pipe", "checkpointing", "utils", "ops", "monitor"},
     {"git_version_info"},  # DeepSpeed's install-time facts, read from the units above
     {""},  # slipstream/__init__.py, the public facade
     {"cli"},
     {"launcher"},  # deepspeed.launcher.runner: the `deepspeed` command on `slipstream run`
+    {"constants"},  # deepspeed.constants: the launcher's port and variable names
 ]
 FLOOR_OF = {unit: i for i, floor in enumerate(FLOORS) for unit in floor}
 

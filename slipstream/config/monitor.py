@@ -6,18 +6,21 @@ config that turns a monitor on runs unchanged; unknown keys are errors, as every
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field
 
-from slipstream.config._base import StrictModel
+from slipstream.config._base import StrictModel, validate_model
 
 __all__ = [
     "CSVMonitorConfig",
     "CometConfig",
+    "DeepSpeedMonitorConfig",
     "FlopsProfilerConfig",
     "TensorBoardConfig",
     "WandbConfig",
+    "get_monitor_config",
 ]
 
 
@@ -79,6 +82,39 @@ class CometConfig(StrictModel):
     """False stores the experiment locally (offline mode); None is Comet's default (online)."""
     mode: Literal["get", "create", "get_or_create"] | None = None
     """Continue an existing experiment, always create one, or either (Comet's default)."""
+
+
+class DeepSpeedMonitorConfig(StrictModel):
+    """DeepSpeed's monitor block set (``deepspeed.monitor.config``): the four monitor blocks,
+    each with its defaults when absent; ``enabled`` is true when any of them is."""
+
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard event files."""
+    comet: CometConfig = Field(default_factory=CometConfig)
+    """A Comet experiment."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """A Weights & Biases run."""
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    """One CSV file per scalar."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any monitor is on."""
+        return any(
+            block.enabled for block in (self.tensorboard, self.comet, self.wandb, self.csv_monitor)
+        )
+
+
+def get_monitor_config(param_dict: Mapping[str, Any]) -> DeepSpeedMonitorConfig:
+    """The monitor blocks of a raw config dict (DeepSpeed's function): unknown keys and bad
+    values in them are ``ConfigError``s naming the key."""
+    blocks = {
+        key: param_dict[key]
+        for key in ("tensorboard", "wandb", "csv_monitor", "comet")
+        if key in param_dict
+    }
+    config: DeepSpeedMonitorConfig = validate_model(DeepSpeedMonitorConfig, blocks, "")
+    return config
 
 
 class FlopsProfilerConfig(StrictModel):

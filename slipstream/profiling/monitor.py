@@ -52,6 +52,7 @@ __all__ = [
     "TensorBoardMonitor",
     "WandbMonitor",
     "csv_file_name",
+    "scalar_events",
 ]
 
 Event = tuple[str, Any, int]
@@ -282,6 +283,18 @@ def _check_event(event: Any, index: int) -> Event:
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"monitor event '{name}': value {value!r} must be a real number")
     return name, value, int(step)
+
+
+def scalar_events(event_list: Iterable[Any]) -> list[ScalarEvent]:
+    """Checked ``(name, value, step)`` events as the backends take them, read now (a tensor
+    value is copied to the host here) and stamped with the current wall-clock time.
+
+    Raises ``ValueError`` for a malformed event, naming it."""
+    now = time.time()
+    return [
+        ScalarEvent(name, float(value), step, now)
+        for name, value, step in (_check_event(e, i) for i, e in enumerate(event_list))
+    ]
 
 
 def _snapshot(value: torch.Tensor) -> torch.Tensor:

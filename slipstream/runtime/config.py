@@ -20,6 +20,7 @@ from typing import Any
 from slipstream._logging import logger
 from slipstream.config import ConfigError, parse_config
 from slipstream.config.loader import load_config
+from slipstream.config.monitor import DeepSpeedMonitorConfig
 from slipstream.config.schema import GRADIENT_CLIPPING_DEFAULT, SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.zero.config import DeepSpeedZeroConfig
@@ -153,6 +154,14 @@ class DeepSpeedConfig:
     def scheduler_params(self) -> dict[str, Any] | None:
         sched = self._config.scheduler
         return None if sched is None else dict(sched.params)
+
+    @property
+    def monitor_config(self) -> DeepSpeedMonitorConfig:
+        """The monitor blocks (``deepspeed.monitor.monitor.MonitorMaster``'s argument)."""
+        c = self._config
+        return DeepSpeedMonitorConfig(
+            tensorboard=c.tensorboard, comet=c.comet, wandb=c.wandb, csv_monitor=c.csv_monitor
+        )
 
     @property
     def gradient_clipping(self) -> float:

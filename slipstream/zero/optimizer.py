@@ -256,6 +256,21 @@ class ZeroOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
 
+    @property
+    def parameter_offload(self) -> Any:
+        """ZeRO stage 3 only: DeepSpeed's hooks API (``zero.parameter_offload``), which TRL's
+        ``unwrap_model_for_generation`` uses. Stages 0-2 have none (``AttributeError``), as
+        in DeepSpeed."""
+        from slipstream.zero.sharded_store import ShardedStore
+
+        if not isinstance(self.store, ShardedStore):
+            raise AttributeError("parameter_offload exists at ZeRO stage 3 only")
+        if getattr(self, "_parameter_offload", None) is None:
+            from slipstream.zero.parameter_offload import DeepSpeedZeRoOffload
+
+            self._parameter_offload = DeepSpeedZeRoOffload(self.store)
+        return self._parameter_offload
+
     def destroy(self) -> None:
         """Remove every hook this optimizer installed on the model."""
         self.reducer.remove_hooks()

@@ -66,3 +66,15 @@ def test_point_to_point_refusals() -> None:
         comm.send(torch.zeros(1), 1, tag=3)
     with pytest.raises(ValueError, match="src=None"):
         comm.recv(torch.zeros(1))
+
+
+def test_constants_are_the_launchers() -> None:
+    """``deepspeed.constants`` (DeepSpeedExamples' deepnvme checkpoint script): DeepSpeed's
+    names and port; the timeout is the one the comm layer uses."""
+    from slipstream import constants
+    from slipstream.cli.launcher import DEFAULT_MASTER_PORT
+    from slipstream.distributed.timeouts import comm_timeout
+
+    assert constants.TORCH_DISTRIBUTED_DEFAULT_PORT == DEFAULT_MASTER_PORT == 29500
+    assert (constants.CROSS_RANK, constants.CROSS_SIZE) == ("CROSS_RANK", "CROSS_SIZE")
+    assert constants.default_pg_timeout == comm_timeout()
