@@ -159,3 +159,62 @@ class Flat:
                 f"{offset + numel} the parameter layout needs: the files do not belong together"
             )
         return t[offset : offset + numel]
+
+
+# ----------------------------------------------------------------------------- states
+def train_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def stage0_masters(sd: dict[str, Any], path: Path) -> list[torch.Tensor]:
+    """FP16_Optimizer's fp32 masters in parameter order: per parameter (the unfused one's
+    ``fp32_groups``) or one flat tensor per group (the fused one's ``fp32_groups_flat``)."""
+    if "fp32_groups" in sd:
+        return [t for group in sd["fp32_groups"] for t in group]
+    return list(require_key(sd, "fp32_groups_flat", path))
+
+
+def base_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(per group optimizer state, param groups) of a ZeRO file's base optimizer."""
+    if "base_optimizer_state" in osd:
+        base = osd["base_optimizer_state"]
+        if isinstance(base, list):  # elastic_checkpoint: per-group states without padding
+            step = osd.get("base_optimizer_state_step")
+            states = [dict(s, step=s.get("step", step)) for s in base]
+            return states, [{} for _ in base]
+    else:
+        base = require_key(osd, "optimizer_state_dict", path)
+    state, groups = require_key(base, "state", path), require_key(base, "param_groups", path)
+    ids = [i for g in groups for i in g["params"]]
+    return [state.get(i, {}) for i in ids], groups
+
+
+def state_keys(states: list[dict[str, Any]]) -> list[str]:
+    return sorted(
+        {k for s in states for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    )
+
+
+def per_group_scalars(
+    states: list[dict[str, Any]], n_groups: int, path: Path
+) -> dict[str, dict[str, Any]]:
+    """Per-group scalar states (Adam's ``step``) in the manifest's terms; DeepSpeed keeps one
+    per flat group, and every group must agree (DeepSpeed asserts the same)."""
+    found: dict[str, set[Any]] = {}
+    for state in states:
+        for k, v in state.items():
+            if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+                found.setdefault(k, set()).add(v.item() if isinstance(v, torch.Tensor) else v)
+    one: dict[str, Any] = {}
+    for k, values in found.items():
+        if len(values) > 1:
+            raise CheckpointError(f"{path}: optimizer state '{k}' differs between groups: {values}")
+        value = values.pop()
+        # torch's Adam keeps ``step`` as a float32 tensor; DeepSpeed's FusedAdam as an int.
+        one[k] = {"value": float(value), "tensor": True, "dtype": "float32"}
+    return {str(g): dict(one) for g in range(n_groups)}
