@@ -100,6 +100,36 @@ _PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
 _PICKLE.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class DeepSpeedObject:
+    """A DeepSpeed object to write into a checkpoint pickle without importing DeepSpeed:
+    its class (``module``, ``name``) and its ``__dict__``. DeepSpeed unpickles it as that
+    class (``cls.__new__(cls)``, then ``__dict__`` updated), as ``pickle`` stores it."""
+
+    module: str
+    name: str
+    state: dict[str, Any]
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its ``save`` can be extended
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, DeepSpeedObject):
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+            super().save(obj.state)
+            self.write(pickle.BUILD)
+            return
+        super().save(obj, save_persistent_id)
+
+
+_PICKLE.Pickler = _Pickler  # type: ignore[attr-defined]
+
+
+def save_file(obj: dict[str, Any], path: Path) -> None:
+    """``torch.save`` of ``obj``, with its ``DeepSpeedObject`` values as DeepSpeed's classes."""
+    torch.save(obj, path, pickle_module=_PICKLE)
+
+
 def load_file(path: Path) -> dict[str, Any]:
     """One DeepSpeed file (memory-mapped), every failure a ``CheckpointError`` naming it."""
     if not path.is_file():
