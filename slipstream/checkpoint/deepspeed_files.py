@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,14 +113,17 @@ class DeepSpeedObject:
 
 
 class _Pickler(pickle._Pickler):  # the Python pickler: its ``save`` can be extended
+    write: Callable[[bytes], Any]  # set by pickle._Pickler.__init__ (not in typeshed)
+
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        save = pickle._Pickler.save  # type: ignore[attr-defined]
         if isinstance(obj, DeepSpeedObject):
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
             self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
-            super().save(obj.state)
+            save(self, obj.state)
             self.write(pickle.BUILD)
             return
-        super().save(obj, save_persistent_id)
+        save(self, obj, save_persistent_id)
 
 
 _PICKLE.Pickler = _Pickler  # type: ignore[attr-defined]

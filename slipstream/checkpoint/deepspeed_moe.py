@@ -103,13 +103,17 @@ def read_expert_files(
         layers.setdefault(layer, set()).add(expert)
         state = load_file(directory / n)
         for key, value in state.items():
-            ids = list(EXPERT_ID.finditer(key))
-            if not ids or int(ids[-1].group(1)) != expert or not isinstance(value, torch.Tensor):
+            found = list(EXPERT_ID.finditer(key))
+            if (
+                not found
+                or int(found[-1].group(1)) != expert
+                or not isinstance(value, torch.Tensor)
+            ):
                 raise CheckpointError(
                     f"{directory / n} holds '{key}', which is not a tensor of expert {expert}: "
                     "not a file DeepSpeed's MoE layer wrote"
                 )
-            prefixes.setdefault(key[: ids[-1].start(1)], set()).add(expert)
+            prefixes.setdefault(key[: found[-1].start(1)], set()).add(expert)
             weights[key] = value
     for layer, ids in sorted(layers.items()):
         want = num_experts[layer] if num_experts and layer < len(num_experts) else len(ids)

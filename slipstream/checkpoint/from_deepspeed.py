@@ -36,9 +36,13 @@ addresses): they are read as plain stand-ins, so DeepSpeed need not be installed
 - **Universal** (DeepSpeed's ``ds_to_universal.py``): ``zero/<name>/<state>.pt`` hold each
   parameter's fp32 master and optimizer states whole, ``zero/optimizer_state.pt`` the rest.
 
+- **Mixture of experts** (``deepspeed.moe.layer.MoE``, ZeRO-1/2): ``layer_<l>_expert_<e>_*``
+  files hold each expert's weights, the ZeRO files' expert param groups its master and
+  states (``deepspeed_moe`` describes where).
+
 Not read (each refused with an error naming the file): model-parallel checkpoints
-(``mp_rank_01_*``), pipeline-parallel ``layer_*-model_states.pt`` files and
-mixture-of-experts ``expert_*`` files.
+(``mp_rank_01_*``), pipeline-parallel ``layer_*-model_states.pt`` files, the expert files of
+DeepSpeed before 0.6, MoE optimizer states without ZeRO (``expp_rank_*``) and MoE at ZeRO-3.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class DeepSpeedReader(TensorTable):
 
     Raises:
         CheckpointError: naming the file (and key) for what is missing, damaged or not
-            readable (model/pipeline parallel, universal, MoE checkpoints).
+            readable (model/pipeline parallel checkpoints, the MoE files listed above).
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -232,7 +236,9 @@ class DeepSpeedReader(TensorTable):
             stage = 0
         count = first.get("partition_count")
         counts = count if isinstance(count, list) else [count]
-        ep = [_ep_size(g, first_path) for g in base_state(first, first_path)[1]]
+        # Expert param groups (MoE) are partitioned over world / ep_size ranks.
+        has_base = "base_optimizer_state" in first or "optimizer_state_dict" in first
+        ep = [_ep_size(g, first_path) for g in base_state(first, first_path)[1]] if has_base else []
         want = [world // e for e in ep] if len(ep) == len(counts) else [world] * len(counts)
         if any(c is not None and int(c) != n for c, n in zip(counts, want)):
             raise CheckpointError(
