@@ -53,6 +53,17 @@ def is_deepspeed_tag(directory: Path) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class PipeStage:
+    """One pipeline stage of a DeepSpeed ``PipelineModule`` checkpoint: its files are the
+    ``mp_rank_<mp_rank>`` ones, its module state dict (``None`` in the files) is ``module``
+    (the weights of its layer files, ``<layer index>.<key>``), ``buffers`` the buffer names."""
+
+    mp_rank: int
+    module: dict[str, torch.Tensor]
+    buffers: list[str]
+
+
 # ----------------------------------------------------------------------------- unpickling
 class StandIn:
     """A DeepSpeed object in a checkpoint pickle, kept as its constructor arguments and state

@@ -40,9 +40,10 @@ addresses): they are read as plain stand-ins, so DeepSpeed need not be installed
   files hold each expert's weights, the ZeRO files' expert param groups its master and
   states (``deepspeed_moe`` describes where).
 
-Not read (each refused with an error naming the file): model-parallel checkpoints
-(``mp_rank_01_*``), pipeline-parallel ``layer_*-model_states.pt`` files, the expert files of
-DeepSpeed before 0.6, MoE optimizer states without ZeRO (``expp_rank_*``) and MoE at ZeRO-3.
+Pipeline-parallel checkpoints (``layer_*-model_states.pt``) are read stage by stage by
+``deepspeed_pipe``, each stage through this reader. Not read (each refused with an error naming
+the file): model-parallel checkpoints (``mp_rank_01_*``), the expert files of DeepSpeed before
+0.6, MoE optimizer states without ZeRO (``expp_rank_*``) and MoE at ZeRO-3.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from slipstream.checkpoint.deepspeed_files import (
     ZERO3_MODEL_FILE,
     Flat,
     Fragment,
+    PipeStage,
     StandIn,
     base_state,
     is_deepspeed_tag,
@@ -93,10 +95,16 @@ class DeepSpeedReader(TensorTable):
             readable (model/pipeline parallel checkpoints, the MoE files listed above).
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], pipe_stage: PipeStage | None = None
+    ) -> None:
         self.dir = Path(directory)
         names = sorted(os.listdir(self.dir))
-        self._refuse_unsupported(names)
+        mp = 0 if pipe_stage is None else pipe_stage.mp_rank
+        if pipe_stage is None:
+            self._refuse_unsupported(names)
+        else:  # one stage of a pipeline checkpoint (``deepspeed_pipe``): its own files only
+            names = [n for n in names if f"mp_rank_{mp:02d}_" in n]
         zero3_models = sorted(
             (int(m.group(1)), n) for n in names if (m := ZERO3_MODEL_FILE.match(n)) is not None
         )
@@ -104,7 +112,11 @@ class DeepSpeedReader(TensorTable):
             (int(m.group(2)), n) for n in names if (m := OPTIM_FILE.match(n)) is not None
         )
         model_file = self.dir / (zero3_models[0][1] if zero3_models else MODEL_STATES)
+        if pipe_stage is not None:
+            model_file = self.dir / f"mp_rank_{mp:02d}_model_states.pt"
         self.model_states = load_file(model_file)
+        if pipe_stage is not None:
+            self.model_states.update(module=pipe_stage.module, buffer_names=pipe_stage.buffers)
         self._model_file = model_file
         counts = self.model_states.get("num_experts")
         self._experts, self._layer_experts = read_expert_files(
@@ -138,11 +150,10 @@ class DeepSpeedReader(TensorTable):
 
         for n in names:
             if LAYER_FILE.match(n):
-                refuse(
-                    n,
-                    "a pipeline-parallel layer file (DeepSpeed's PipelineModule checkpoint)",
-                    "Convert it with DeepSpeed's ds_to_universal.py or load it in DeepSpeed and "
-                    "save with pipeline parallelism off",
+                raise CheckpointError(
+                    f"{self.dir / n}: a pipeline-parallel layer file; DeepSpeedReader reads one "
+                    "stage. Open the directory with deepspeed_pipe.open_deepspeed (as "
+                    "load_checkpoint and slipstream convert do)"
                 )
             if OLD_EXPERT_FILE.match(n):
                 refuse(

@@ -1,7 +1,8 @@
 """Regenerate ``deepspeed_fixture/``: a ZeRO-2 checkpoint DeepSpeed 0.19.8 wrote at world 2
 (fp32, CPU; about 12 KB) and DeepSpeed's own losses for the steps after it; and
 ``deepspeed_moe_fixture/``: the same for a model with a ``deepspeed.moe`` layer at ep_size 2
-(``_deepspeed_moe_workloads``; about 40 KB).
+(``_deepspeed_moe_workloads``; about 40 KB); and ``deepspeed_pipe_fixture/``: a 2-stage
+``PipelineModule`` at ZeRO-1 (``_deepspeed_pipe_workloads``; about 20 KB).
 
 It lets ``test_from_deepspeed`` check the reading of DeepSpeed's layout where DeepSpeed is not
 installed (CI installs ``[dev]`` only); where it is, the tests run DeepSpeed itself.
@@ -18,17 +19,20 @@ import tempfile
 from pathlib import Path
 
 from tests.checkpoint import _deepspeed_moe_workloads as mw
+from tests.checkpoint import _deepspeed_pipe_workloads as pw
 from tests.checkpoint import _deepspeed_workloads as w
 from tests.distributed.harness import run_world
 
 FIXTURE = Path(__file__).parent / "deepspeed_fixture"
 MOE_FIXTURE = Path(__file__).parent / "deepspeed_moe_fixture"
+PIPE_FIXTURE = Path(__file__).parent / "deepspeed_pipe_fixture"
 CASE = (2, False)
 
 
 def main() -> None:
     dense()
     moe()
+    pipe()
 
 
 def dense() -> None:
@@ -55,6 +59,19 @@ def moe() -> None:
         + "\n"
     )
     print(f"wrote {MOE_FIXTURE}: {sorted(p.name for p in MOE_FIXTURE.rglob('*'))}")
+
+
+def pipe() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        losses = run_world(pw.deepspeed_runs, 2, tmp, [1], timeout_s=600)[0][1]
+        shutil.rmtree(PIPE_FIXTURE, ignore_errors=True)
+        shutil.copytree(
+            Path(tmp) / "ds_pipe_s1", PIPE_FIXTURE, ignore=shutil.ignore_patterns("*.py")
+        )
+    (PIPE_FIXTURE / "expected.json").write_text(
+        json.dumps({"deepspeed": "0.19.8", "stage": 1, "pp": 2, "losses": losses}, indent=1) + "\n"
+    )
+    print(f"wrote {PIPE_FIXTURE}: {sorted(p.name for p in PIPE_FIXTURE.rglob('*'))}")
 
 
 if __name__ == "__main__":

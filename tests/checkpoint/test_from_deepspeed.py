@@ -124,7 +124,6 @@ def test_damaged_file_and_missing_key_are_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "what"),
     [
-        ("layer_01-model_states.pt", "a pipeline-parallel layer file"),
         ("mp_rank_01_model_states.pt", "a model-parallel (tensor-parallel) rank file"),
         ("zero", "a universal checkpoint folder without optimizer_state.pt"),
     ],
