@@ -155,6 +155,8 @@ def _assign(
         out[stage].update({f"{idx}.{k}": v for k, v in state.items()})
         taken += len(params)
     for s, names in enumerate(want):
+        if isinstance(names, int):
+            _check_shapes(states[s], [v for n, v in out[s].items() if n not in buffers], directory)
         got = sorted(n for n in out[s] if n not in buffers)
         if (isinstance(names, list) and got != sorted(names)) or len(got) != limits[s]:
             raise CheckpointError(
@@ -165,3 +167,22 @@ def _assign(
                 "record); load with DeepSpeed and save at ZeRO-1"
             )
     return out
+
+
+def _check_shapes(ms: dict[str, Any], params: list[torch.Tensor], directory: Path) -> None:
+    """Without ZeRO, a stage's optimizer states (in parameter order) have the shapes of the
+    parameters its layers were given, or the assignment is wrong: an error."""
+    sd = ms.get("optimizer")
+    if sd is None:
+        return
+    sd = sd.get("optimizer_state_dict", sd)
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    for i, p in zip(ids, params):
+        for key, v in sd["state"].get(i, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                raise CheckpointError(
+                    f"{directory}: a stage's optimizer state '{key}' of shape {tuple(v.shape)} "
+                    f"falls on a parameter of shape {tuple(p.shape)}: the layer files do not "
+                    "belong to this checkpoint (or hold frozen parameters, which a pipeline "
+                    "without ZeRO does not record); load with DeepSpeed and save at ZeRO-1"
+                )

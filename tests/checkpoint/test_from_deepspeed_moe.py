@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.checkpoint import CheckpointError
+from slipstream.checkpoint import CheckpointError, CheckpointReader, deepspeed_to_slipstream
 from slipstream.checkpoint.from_deepspeed import DeepSpeedReader
 from tests.checkpoint import _deepspeed_moe_workloads as w
 from tests.distributed.harness import run_world
@@ -92,6 +92,13 @@ def test_moe_layout_reads_every_expert(tmp_path: Path) -> None:
         assert torch.equal(reader.read_full(f"master/{name}"), value), name
         assert reader.has(f"optim/exp_avg/{name}") and reader.has(f"optim/exp_avg_sq/{name}")
     assert reader.manifest["global_steps"] == w.SAVED
+    # `slipstream convert --to slipstream`: the same tensors in a slipstream checkpoint.
+    converted = CheckpointReader(
+        deepspeed_to_slipstream(tmp_path / "global_step2", tmp_path / "conv")
+    )
+    assert sorted(converted.tensors) == sorted(reader.tensors)
+    for t in reader.tensors:
+        assert torch.equal(converted.read_full(t), reader.read_full(t)), t
 
 
 @pytest.mark.parametrize(

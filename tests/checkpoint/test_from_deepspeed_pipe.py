@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.checkpoint import CheckpointError
+from slipstream.checkpoint import CheckpointError, CheckpointReader, deepspeed_to_slipstream
 from slipstream.checkpoint.deepspeed_pipe import DeepSpeedPipeReader, open_deepspeed
 from tests.checkpoint import _deepspeed_pipe_workloads as w
 from tests.distributed.harness import run_world
@@ -78,6 +78,11 @@ def test_layers_go_to_their_stages(tmp_path: Path) -> None:
         layer = torch.load(tag / f"layer_{int(idx):02d}-model_states.pt")
         assert torch.equal(reader.read_full(f"master/{name}"), layer[key]), name
     assert reader.manifest["global_steps"] == w.SAVED
+    # `slipstream convert --to slipstream`: the same tensors in a slipstream checkpoint.
+    converted = CheckpointReader(deepspeed_to_slipstream(tag, tmp_path / "conv"))
+    assert sorted(converted.tensors) == sorted(reader.tensors)
+    for t in reader.tensors:
+        assert torch.equal(converted.read_full(t), reader.read_full(t)), t
 
 
 def test_pipeline_files_refused_or_named(tmp_path: Path) -> None:
