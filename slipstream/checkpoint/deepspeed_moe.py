@@ -20,21 +20,25 @@ ep_size)`` (Rajbhandari et al., DeepSpeed-MoE, section 5.2: experts are data-par
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from slipstream.checkpoint.deepspeed_files import load_file
 from slipstream.checkpoint.format import CheckpointError
 
-__all__ = ["EXPERT_FILE", "ExpertLayout", "read_expert_files"]
+__all__ = ["EXPERT_FILE", "ExpertLayout", "read_expert_files", "stage0_expert_states"]
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 """One expert's weights (DeepSpeed 0.6 and later)."""
 OLD_EXPERT_FILE = re.compile(r"^expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 """Before DeepSpeed 0.6: every layer's expert ``e`` in one file (not read)."""
+EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+"""Without ZeRO: the optimizer state dict of expert-parallel rank ``e``."""
 EXPERT_ID = re.compile(r"deepspeed_experts\.(\d+)\.")
 
 
@@ -95,11 +99,10 @@ def read_expert_files(
     weights: dict[str, torch.Tensor] = {}
     layers: dict[int, set[int]] = {}
     prefixes: dict[str, set[int]] = {}
-    for n in names:
-        m = EXPERT_FILE.match(n)
-        if m is None:
-            continue
-        layer, expert = int(m.group(1)), int(m.group(2))
+    files = sorted(
+        (int(m.group(1)), int(m.group(2)), n) for n in names if (m := EXPERT_FILE.match(n))
+    )
+    for layer, expert, n in files:  # by layer, then expert id (the module's order)
         layers.setdefault(layer, set()).add(expert)
         state = load_file(directory / n)
         for key, value in state.items():
@@ -125,3 +128,80 @@ def read_expert_files(
                 "directory"
             )
     return weights, {p: len(ids) for p, ids in prefixes.items()}
+
+
+def stage0_expert_states(
+    directory: Path, fp32: bool, dense: list[str], experts: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], list[str]]:
+    """Without ZeRO, DeepSpeed saves the optimizer of each expert-parallel rank ``e`` in
+    ``expp_rank_<e>_mp_rank_00_optim_states.pt``: the ``dense`` parameters' states (equal on
+    every rank), then its local experts' (param groups marked ``moe``), in module order.
+    Returns one torch optimizer state dict over every parameter and the parameter names in
+    its id order (experts by global name).
+
+    Raises:
+        CheckpointError: a missing rank file, bf16/fp16 (DeepSpeed's FP16_Optimizer wrapper),
+            or expert groups of more than one ``ep_size``.
+    """
+    names = os.listdir(directory)
+    files = sorted((int(m.group(1)), n) for n in names if (m := EXPP_FILE.match(n)))
+    ep = len(files)
+    if not fp32 or [e for e, _ in files] != list(range(ep)):
+        raise CheckpointError(
+            f"{directory}: the expp_rank_<e>_mp_rank_00_optim_states.pt files ({names}) are not "
+            "those of an fp32 run without ZeRO (ranks 0 to ep_size-1); slipstream reads a "
+            "mixture-of-experts run without ZeRO in fp32 only: load with "
+            "load_optimizer_states=False after removing them, or save at ZeRO stage 1 or 2"
+        )
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    order: list[str] = []
+    for e, n in files:
+        path = directory / n
+        sd = load_file(path).get("optimizer")
+        if not isinstance(sd, dict) or "param_groups" not in sd:
+            raise CheckpointError(f"{path} key 'optimizer' is not a torch optimizer state dict")
+        sizes = {str(g.get("name")) for g in sd["param_groups"] if g.get("moe")}
+        if sizes != {f"ep_size_{ep}"}:
+            raise CheckpointError(
+                f"{path}: expert param groups {sorted(sizes)} for {ep} expp_rank files: "
+                "slipstream reads one ep_size, that of the files"
+            )
+        mine = _local_experts(experts, e, ep)
+        for g, group in enumerate(sd["param_groups"]):
+            if e and not group.get("moe"):
+                continue  # the dense states: rank 0's
+            params = dense if not group.get("moe") else mine
+            if len(group["params"]) != len(params):
+                raise CheckpointError(
+                    f"{path}: param group {g} holds {len(group['params'])} parameters but "
+                    f"the {'expert' if group.get('moe') else 'model-states'} files give "
+                    f"{len(params)}"
+                )
+            new = list(range(len(order), len(order) + len(params)))
+            state.update(
+                {n_: sd["state"][i] for n_, i in zip(new, group["params"]) if i in sd["state"]}
+            )
+            order.extend(params)
+            # One expert group over every rank's experts (the ranks' groups are copies).
+            same = [x for x in groups if x.get("moe") and x.get("name") == group.get("name")]
+            if same and group.get("moe"):
+                same[0]["params"] = same[0]["params"] + new
+            else:
+                groups.append(dict(group, params=new))
+    return {"state": state, "param_groups": groups}, order
+
+
+def _local_experts(experts: dict[str, torch.Tensor], ep_rank: int, ep_size: int) -> list[str]:
+    """The global names of expert-parallel rank ``ep_rank``'s expert weights, in module order."""
+    counts: dict[str, int] = {}
+    for name in experts:
+        m = list(EXPERT_ID.finditer(name))[-1]
+        counts[name[: m.start(1)]] = max(counts.get(name[: m.start(1)], 0), int(m.group(1)) + 1)
+    out = []
+    for name in experts:
+        m = list(EXPERT_ID.finditer(name))[-1]
+        local = counts[name[: m.start(1)]] // ep_size
+        if ep_rank * local <= int(m.group(1)) < (ep_rank + 1) * local:
+            out.append(name)
+    return out

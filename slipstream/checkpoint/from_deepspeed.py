@@ -81,6 +81,7 @@ from slipstream.checkpoint.deepspeed_moe import (
     OLD_EXPERT_FILE,
     ExpertLayout,
     read_expert_files,
+    stage0_expert_states,
 )
 from slipstream.checkpoint.format import CheckpointError, TensorTable, dtype_name
 
@@ -161,14 +162,6 @@ class DeepSpeedReader(TensorTable):
                     "a mixture-of-experts file of DeepSpeed before 0.6 (every layer's expert in "
                     "one file)",
                     "Load it in a current DeepSpeed and save again (layer_<l>_expert_<e> files)",
-                )
-            if n.startswith("expp_rank_"):
-                refuse(
-                    n,
-                    "the optimizer states of a mixture-of-experts run without ZeRO (expert "
-                    "parallelism at stage 0)",
-                    "Load it with load_optimizer_states=False after removing this file, or save "
-                    "it from DeepSpeed at ZeRO stage 1 or 2",
                 )
             if re.search(r"mp_rank_(?!00)\d+_", n):
                 refuse(
@@ -417,6 +410,9 @@ class DeepSpeedReader(TensorTable):
         skip = set(self.model_states.get("buffer_names") or [])
         skip |= set(self.model_states.get("shared_params") or {})
         names = [n for n in module if n not in skip]
+        if self._experts:  # MoE: each expert-parallel rank's optimizer is in its expp_rank file
+            sd, names = stage0_expert_states(self.dir, masters is None, names, self._experts)
+            module = {**module, **self._experts}
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         if len(ids) != len(names):
             raise CheckpointError(
@@ -447,7 +443,7 @@ class DeepSpeedReader(TensorTable):
         if module is None:
             raise CheckpointError(
                 f"{self._model_file} key 'module' is None: a pipeline-parallel checkpoint "
-                "(the weights are in layer_* files), which slipstream cannot read"
+                "(the weights are in layer_* files); open it with deepspeed_pipe.open_deepspeed"
             )
         buffers = set(self.model_states.get("buffer_names") or [])
         shared = set(self.model_states.get("shared_params") or {})
@@ -460,7 +456,7 @@ class DeepSpeedReader(TensorTable):
             self._full[f"{kind}/{name}"] = value
             self._table(f"{kind}/{name}", tuple(value.shape), value.dtype)
         for name, value in self._experts.items():
-            kind = "model" if f"master/{name}" in self.tensors else "buffer"
+            kind = "buffer" if name in buffers else "model"
             self._full[f"{kind}/{name}"] = value
             self._table(f"{kind}/{name}", tuple(value.shape), value.dtype)
         for name in [n for n in self.tensors if n.startswith("master/")]:

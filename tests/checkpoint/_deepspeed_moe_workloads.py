@@ -37,14 +37,19 @@ class Net(nn.Module):
         return self.head(h).pow(2).mean() + 0.01 * l_aux
 
 
-def config(world: int) -> dict[str, Any]:
+def config(world: int, stage: int = 2) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": DS_WORLD // world,
         # torch_adam: torch's AdamW in DeepSpeed too (its fused CPU Adam is JIT-compiled).
         "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
     }
+
+
+def saved_dir(root: str, ep: int, stage: int) -> Path:
+    """Where DeepSpeed saved the run of ``ep_size`` ``ep`` at ZeRO ``stage``."""
+    return Path(root) / (f"ds_moe_ep{ep}" if stage == 2 else f"ds_moe_ep{ep}_s{stage}")
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -68,46 +73,48 @@ def _train(engine: Any, steps: range) -> list[float]:
     return losses
 
 
-def deepspeed_runs(root: str, ep_sizes: list[int]) -> dict[int, list[float]]:
-    """DeepSpeed trains, saves ``root/ds_moe_ep<ep>`` and continues: its losses."""
+def deepspeed_runs(root: str, cases: list[tuple[int, int]]) -> dict[Any, list[float]]:
+    """For each ``(ep_size, ZeRO stage)``: DeepSpeed trains, saves in ``saved_dir`` and
+    continues: its losses."""
     from tests.compat._deepspeed import import_deepspeed
 
     deepspeed = import_deepspeed()
     from deepspeed.moe.layer import MoE
 
     out = {}
-    for ep in ep_sizes:
+    for ep, stage in cases:
         torch.manual_seed(0)
         m = Net(MoE, ep)
         engine, *_ = deepspeed.initialize(
-            model=m, model_parameters=m.parameters(), config=config(DS_WORLD)
+            model=m, model_parameters=m.parameters(), config=config(DS_WORLD, stage)
         )
         _train(engine, range(SAVED))
-        engine.save_checkpoint(str(Path(root) / f"ds_moe_ep{ep}"), client_state={"epoch": 7})
-        out[ep] = _train(engine, range(SAVED, SAVED + MORE))
+        engine.save_checkpoint(str(saved_dir(root, ep, stage)), client_state={"epoch": 7})
+        out[(ep, stage)] = _train(engine, range(SAVED, SAVED + MORE))
     return out
 
 
-def slipstream_resumes(root: str, cases: list[tuple[int, int, int]]) -> dict[Any, Any]:
-    """For each ``(saved ep_size, ep_size, stage)``: slipstream loads the DeepSpeed checkpoint
-    into its own MoE at ``ep_size`` and ZeRO ``stage`` on this world and continues."""
+def slipstream_resumes(root: str, cases: list[tuple[int, int, int, int]]) -> dict[Any, Any]:
+    """For each ``(saved ep_size, saved stage, ep_size, stage)``: slipstream loads the
+    DeepSpeed checkpoint into its own MoE at ``ep_size`` and ZeRO ``stage`` on this world and
+    continues."""
     import slipstream
     from slipstream.checkpoint.state import placed
     from slipstream.moe import MoE
 
     out: dict[Any, Any] = {}
-    for saved_ep, ep, stage in cases:
+    for saved_ep, saved_stage, ep, stage in cases:
         torch.manual_seed(5)
         cfg = dict(config(dist.get_world_size()), zero_optimization={"stage": stage})
         engine, *_ = slipstream.initialize(model=Net(MoE, ep), config=cfg)
-        _, client = engine.load_checkpoint(str(Path(root) / f"ds_moe_ep{saved_ep}"))
+        _, client = engine.load_checkpoint(str(saved_dir(root, saved_ep, saved_stage)))
         counters = (engine.global_steps, engine.global_samples)
         experts = {  # this rank's experts after the load, by global name
             placed(n, p, tuple(p.shape))[0]: p.detach().clone()
             for n, p in engine.module.named_parameters()
             if "deepspeed_experts" in n
         }
-        out[(saved_ep, ep, stage)] = {
+        out[(saved_ep, saved_stage, ep, stage)] = {
             "experts": experts,
             "losses": _train(engine, range(SAVED, SAVED + MORE)),
             "counters": counters,

@@ -49,7 +49,7 @@ def dense() -> None:
 
 def moe() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        losses = run_world(mw.deepspeed_runs, mw.DS_WORLD, tmp, [2], timeout_s=600)[0][2]
+        losses = run_world(mw.deepspeed_runs, mw.DS_WORLD, tmp, [(2, 2)], timeout_s=600)[0][(2, 2)]
         shutil.rmtree(MOE_FIXTURE, ignore_errors=True)
         shutil.copytree(
             Path(tmp) / "ds_moe_ep2", MOE_FIXTURE, ignore=shutil.ignore_patterns("*.py")

@@ -23,22 +23,24 @@ FIXTURE = Path(__file__).parent / "deepspeed_moe_fixture"
 """ep_size 2, world 2, ZeRO-2, fp32, written by DeepSpeed 0.19.8 (``make_deepspeed_fixture``)."""
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 FP32 = {"rel": 1e-5, "abs": 1e-6}
-# (DeepSpeed's ep_size, slipstream's ep_size, ZeRO stage) at world 2 and at world 1.
-TWO = [(2, 2, 2), (2, 1, 1), (1, 2, 2)]
-ONE = [(2, 1, 2), (1, 1, 0)]
+# (DeepSpeed's ep_size and ZeRO stage, slipstream's ep_size and ZeRO stage) at world 2 and 1.
+TWO = [(2, 2, 2, 2), (2, 2, 1, 1), (1, 2, 2, 2), (2, 0, 2, 0)]
+ONE = [(2, 2, 1, 2), (1, 2, 1, 0), (2, 0, 1, 2)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The committed ep_size-2 checkpoint; where DeepSpeed is installed, an ep_size-1 one it
-    writes now. slipstream resumes each in one world of 2 ranks and one of 1."""
+    """The committed ep_size-2 ZeRO-2 checkpoint; where DeepSpeed is installed, an ep_size-1
+    ZeRO-2 one and an ep_size-2 one without ZeRO that it writes now. slipstream resumes each
+    in one world of 2 ranks and one of 1."""
     root = tmp_path_factory.mktemp("from_ds_moe")
-    shutil.copytree(FIXTURE, root / "ds_moe_ep2")
-    want = {2: json.loads((FIXTURE / "expected.json").read_text())["losses"]}
+    shutil.copytree(FIXTURE, w.saved_dir(str(root), 2, 2))
+    want = {(2, 2): json.loads((FIXTURE / "expected.json").read_text())["losses"]}
     if HAS_DEEPSPEED:
-        want.update(run_world(w.deepspeed_runs, w.DS_WORLD, str(root), [1], timeout_s=400)[0])
-    two = [c for c in TWO if c[0] in want]
-    one = [c for c in ONE if c[0] in want]
+        cases = [(1, 2), (2, 0)]
+        want.update(run_world(w.deepspeed_runs, w.DS_WORLD, str(root), cases, timeout_s=400)[0])
+    two = [c for c in TWO if c[:2] in want]
+    one = [c for c in ONE if c[:2] in want]
     got = run_world(w.slipstream_resumes, 2, str(root), two)
     got1 = run_world(w.slipstream_resumes, 1, str(root), one)[0]
     return {"root": root, "want": want, "two": got, "one": got1}
@@ -57,19 +59,21 @@ def _expert_files(tag: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", TWO + ONE, ids=lambda c: f"ds_ep{c[0]}-ep{c[1]}-stage{c[2]}")
+@pytest.mark.parametrize(
+    "case", TWO + ONE, ids=lambda c: f"ds_ep{c[0]}_stage{c[1]}-ep{c[2]}_stage{c[3]}"
+)
 def test_moe_resumes_with_deepspeeds_losses(runs: dict[str, Any], case: Any) -> None:
-    """Same ep_size, another ep_size at world 2, and ep_size 1 at world 1 (ZeRO 0-2): every
-    expert holds the weights of DeepSpeed's expert file and the losses go on as DeepSpeed's."""
-    if case[0] not in runs["want"]:
-        pytest.skip("needs deepspeed (writes the ep_size-1 checkpoint)")
-    world_two = case in TWO
-    ranks = runs["two"] if world_two else [runs["one"]]
-    tag = runs["root"] / f"ds_moe_ep{case[0]}" / f"global_step{w.SAVED}"
+    """Same ep_size, another ep_size at world 2, and ep_size 1 at world 1 (ZeRO 0-2), from
+    DeepSpeed's ZeRO-2 and its run without ZeRO: every expert holds the weights of DeepSpeed's
+    expert file and the losses go on as DeepSpeed's."""
+    if case[:2] not in runs["want"]:
+        pytest.skip("needs deepspeed (writes the ep_size-1 and the stage-0 checkpoints)")
+    ranks = runs["two"] if case in TWO else [runs["one"]]
+    tag = w.saved_dir(str(runs["root"]), case[0], case[1]) / f"global_step{w.SAVED}"
     saved = _expert_files(tag)
     held: dict[str, torch.Tensor] = {}
     for rank in ranks:
-        _check(rank[case], runs["want"][case[0]])
+        _check(rank[case], runs["want"][case[:2]])
         held.update(rank[case]["experts"])
     assert held.keys() == saved.keys()  # every expert, over the ranks, by its global id
     for name, value in saved.items():
@@ -108,7 +112,6 @@ def test_moe_layout_reads_every_expert(tmp_path: Path) -> None:
             "expert_0_mp_rank_00_model_states.pt",
             "a mixture-of-experts file of DeepSpeed before 0.6",
         ),
-        ("expp_rank_0_mp_rank_00_optim_states.pt", "the optimizer states of a mixture-of-experts"),
     ],
 )
 def test_unread_moe_files_are_refused_by_file(tmp_path: Path, name: str, what: str) -> None:
