@@ -36,14 +36,14 @@ addresses): they are read as plain stand-ins, so DeepSpeed need not be installed
 - **Universal** (DeepSpeed's ``ds_to_universal.py``): ``zero/<name>/<state>.pt`` hold each
   parameter's fp32 master and optimizer states whole, ``zero/optimizer_state.pt`` the rest.
 
-- **Mixture of experts** (``deepspeed.moe.layer.MoE``, ZeRO-1/2): ``layer_<l>_expert_<e>_*``
-  files hold each expert's weights, the ZeRO files' expert param groups its master and
-  states (``deepspeed_moe`` describes where).
+- **Mixture of experts** (``deepspeed.moe.layer.MoE``, ZeRO-0/1/2): ``layer_<l>_expert_<e>_*``
+  files hold each expert's weights, the ZeRO files' expert param groups (or, without ZeRO,
+  the ``expp_rank_<e>`` files) its master and states (``deepspeed_moe`` describes where).
 
 Pipeline-parallel checkpoints (``layer_*-model_states.pt``) are read stage by stage by
 ``deepspeed_pipe``, each stage through this reader. Not read (each refused with an error naming
 the file): model-parallel checkpoints (``mp_rank_01_*``), the expert files of DeepSpeed before
-0.6, MoE optimizer states without ZeRO (``expp_rank_*``) and MoE at ZeRO-3.
+0.6, MoE optimizer states without ZeRO in bf16/fp16 and MoE at ZeRO-3.
 """
 
 from __future__ import annotations
