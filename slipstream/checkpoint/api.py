@@ -28,6 +28,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.checkpoint import _faults, commit
 from slipstream.checkpoint._agreement import on_every_rank, on_rank0, raise_if_failed
 from slipstream.checkpoint.commit import LATEST, SaveLock
+from slipstream.checkpoint.deepspeed_pipe import open_deepspeed
 from slipstream.checkpoint.export import HF_CONFIG
 from slipstream.checkpoint.format import (
     FORMAT_VERSION,
@@ -474,7 +475,7 @@ def load_checkpoint(
     def open_and_verify() -> LogicalReader:
         reader: LogicalReader
         if is_deepspeed_tag(directory):  # migrating from DeepSpeed: its own layout
-            reader = DeepSpeedReader(directory)
+            reader = open_deepspeed(directory)
         else:
             reader = CheckpointReader(directory)
         reader.verify_share(rank, world)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from slipstream.checkpoint.deepspeed_pipe import open_deepspeed
 from slipstream.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -25,7 +26,7 @@ from slipstream.checkpoint.format import (
     write_manifest,
     write_object,
 )
-from slipstream.checkpoint.from_deepspeed import DeepSpeedReader, is_deepspeed_tag
+from slipstream.checkpoint.from_deepspeed import is_deepspeed_tag
 from slipstream.version import __version__
 
 __all__ = ["deepspeed_to_slipstream", "resolve_deepspeed_tag"]
@@ -61,7 +62,7 @@ def deepspeed_to_slipstream(
     client state's own keys (not DeepSpeed's bookkeeping: ``ds_config``, ``param_shapes``...).
     """
     directory = resolve_deepspeed_tag(source, tag)
-    reader = DeepSpeedReader(directory)
+    reader = open_deepspeed(directory)
     out = Path(out_dir)
     name = directory.name
     tmp = out / f".{name}.convert-tmp"

@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,17 @@ def is_deepspeed_tag(directory: Path) -> bool:
         n.endswith(("_model_states.pt", "-model_states.pt", "_optim_states.pt")) or n == "zero"
         for n in os.listdir(directory)
     )
+
+
+@dataclass(frozen=True)
+class PipeStage:
+    """One pipeline stage of a DeepSpeed ``PipelineModule`` checkpoint: its files are the
+    ``mp_rank_<mp_rank>`` ones, its module state dict (``None`` in the files) is ``module``
+    (the weights of its layer files, ``<layer index>.<key>``), ``buffers`` the buffer names."""
+
+    mp_rank: int
+    module: dict[str, torch.Tensor]
+    buffers: list[str]
 
 
 # ----------------------------------------------------------------------------- unpickling
@@ -98,6 +110,39 @@ class _Unpickler(pickle.Unpickler):
 _PICKLE = types.ModuleType("slipstream_deepspeed_pickle")
 _PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
 _PICKLE.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class DeepSpeedObject:
+    """A DeepSpeed object to write into a checkpoint pickle without importing DeepSpeed:
+    its class (``module``, ``name``) and its ``__dict__``. DeepSpeed unpickles it as that
+    class (``cls.__new__(cls)``, then ``__dict__`` updated), as ``pickle`` stores it."""
+
+    module: str
+    name: str
+    state: dict[str, Any]
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its ``save`` can be extended
+    write: Callable[[bytes], Any]  # set by pickle._Pickler.__init__ (not in typeshed)
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        save = pickle._Pickler.save  # type: ignore[attr-defined]
+        if isinstance(obj, DeepSpeedObject):
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+            save(self, obj.state)
+            self.write(pickle.BUILD)
+            return
+        save(self, obj, save_persistent_id)
+
+
+_PICKLE.Pickler = _Pickler  # type: ignore[attr-defined]
+
+
+def save_file(obj: dict[str, Any], path: Path) -> None:
+    """``torch.save`` of ``obj``, with its ``DeepSpeedObject`` values as DeepSpeed's classes."""
+    torch.save(obj, path, pickle_module=_PICKLE)
 
 
 def load_file(path: Path) -> dict[str, Any]:
@@ -159,3 +204,62 @@ class Flat:
                 f"{offset + numel} the parameter layout needs: the files do not belong together"
             )
         return t[offset : offset + numel]
+
+
+# ----------------------------------------------------------------------------- states
+def train_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def stage0_masters(sd: dict[str, Any], path: Path) -> list[torch.Tensor]:
+    """FP16_Optimizer's fp32 masters in parameter order: per parameter (the unfused one's
+    ``fp32_groups``) or one flat tensor per group (the fused one's ``fp32_groups_flat``)."""
+    if "fp32_groups" in sd:
+        return [t for group in sd["fp32_groups"] for t in group]
+    return list(require_key(sd, "fp32_groups_flat", path))
+
+
+def base_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(per group optimizer state, param groups) of a ZeRO file's base optimizer."""
+    if "base_optimizer_state" in osd:
+        base = osd["base_optimizer_state"]
+        if isinstance(base, list):  # elastic_checkpoint: per-group states without padding
+            step = osd.get("base_optimizer_state_step")
+            states = [dict(s, step=s.get("step", step)) for s in base]
+            return states, [{} for _ in base]
+    else:
+        base = require_key(osd, "optimizer_state_dict", path)
+    state, groups = require_key(base, "state", path), require_key(base, "param_groups", path)
+    ids = [i for g in groups for i in g["params"]]
+    return [state.get(i, {}) for i in ids], groups
+
+
+def state_keys(states: list[dict[str, Any]]) -> list[str]:
+    return sorted(
+        {k for s in states for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    )
+
+
+def per_group_scalars(
+    states: list[dict[str, Any]], n_groups: int, path: Path
+) -> dict[str, dict[str, Any]]:
+    """Per-group scalar states (Adam's ``step``) in the manifest's terms; DeepSpeed keeps one
+    per flat group, and every group must agree (DeepSpeed asserts the same)."""
+    found: dict[str, set[Any]] = {}
+    for state in states:
+        for k, v in state.items():
+            if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+                found.setdefault(k, set()).add(v.item() if isinstance(v, torch.Tensor) else v)
+    one: dict[str, Any] = {}
+    for k, values in found.items():
+        if len(values) > 1:
+            raise CheckpointError(f"{path}: optimizer state '{k}' differs between groups: {values}")
+        value = values.pop()
+        # torch's Adam keeps ``step`` as a float32 tensor; DeepSpeed's FusedAdam as an int.
+        one[k] = {"value": float(value), "tensor": True, "dtype": "float32"}
+    return {str(g): dict(one) for g in range(n_groups)}

@@ -36,9 +36,14 @@ addresses): they are read as plain stand-ins, so DeepSpeed need not be installed
 - **Universal** (DeepSpeed's ``ds_to_universal.py``): ``zero/<name>/<state>.pt`` hold each
   parameter's fp32 master and optimizer states whole, ``zero/optimizer_state.pt`` the rest.
 
-Not read (each refused with an error naming the file): model-parallel checkpoints
-(``mp_rank_01_*``), pipeline-parallel ``layer_*-model_states.pt`` files and
-mixture-of-experts ``expert_*`` files.
+- **Mixture of experts** (``deepspeed.moe.layer.MoE``, ZeRO-0/1/2): ``layer_<l>_expert_<e>_*``
+  files hold each expert's weights, the ZeRO files' expert param groups (or, without ZeRO,
+  the ``expp_rank_<e>`` files) its master and states (``deepspeed_moe`` describes where).
+
+Pipeline-parallel checkpoints (``layer_*-model_states.pt``) are read stage by stage by
+``deepspeed_pipe``, each stage through this reader. Not read (each refused with an error naming
+the file): model-parallel checkpoints (``mp_rank_01_*``), the expert files of DeepSpeed before
+0.6, MoE optimizer states without ZeRO in bf16/fp16 and MoE at ZeRO-3.
 """
 
 from __future__ import annotations
@@ -60,11 +65,23 @@ from slipstream.checkpoint.deepspeed_files import (
     ZERO3_MODEL_FILE,
     Flat,
     Fragment,
+    PipeStage,
     StandIn,
+    base_state,
     is_deepspeed_tag,
     load_file,
+    per_group_scalars,
     require_key,
+    stage0_masters,
     stage_of,
+    state_keys,
+    train_dtype,
+)
+from slipstream.checkpoint.deepspeed_moe import (
+    OLD_EXPERT_FILE,
+    ExpertLayout,
+    read_expert_files,
+    stage0_expert_states,
 )
 from slipstream.checkpoint.format import CheckpointError, TensorTable, dtype_name
 
@@ -76,13 +93,19 @@ class DeepSpeedReader(TensorTable):
 
     Raises:
         CheckpointError: naming the file (and key) for what is missing, damaged or not
-            readable (model/pipeline parallel, universal, MoE checkpoints).
+            readable (model/pipeline parallel checkpoints, the MoE files listed above).
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], pipe_stage: PipeStage | None = None
+    ) -> None:
         self.dir = Path(directory)
         names = sorted(os.listdir(self.dir))
-        self._refuse_unsupported(names)
+        mp = 0 if pipe_stage is None else pipe_stage.mp_rank
+        if pipe_stage is None:
+            self._refuse_unsupported(names)
+        else:  # one stage of a pipeline checkpoint (``deepspeed_pipe``): its own files only
+            names = [n for n in names if f"mp_rank_{mp:02d}_" in n]
         zero3_models = sorted(
             (int(m.group(1)), n) for n in names if (m := ZERO3_MODEL_FILE.match(n)) is not None
         )
@@ -90,8 +113,16 @@ class DeepSpeedReader(TensorTable):
             (int(m.group(2)), n) for n in names if (m := OPTIM_FILE.match(n)) is not None
         )
         model_file = self.dir / (zero3_models[0][1] if zero3_models else MODEL_STATES)
+        if pipe_stage is not None:
+            model_file = self.dir / f"mp_rank_{mp:02d}_model_states.pt"
         self.model_states = load_file(model_file)
+        if pipe_stage is not None:
+            self.model_states.update(module=pipe_stage.module, buffer_names=pipe_stage.buffers)
         self._model_file = model_file
+        counts = self.model_states.get("num_experts")
+        self._experts, self._layer_experts = read_expert_files(
+            self.dir, names, counts if isinstance(counts, list) else None
+        )
         self._full: dict[str, torch.Tensor] = {}
         self._frags: dict[str, tuple[str, list[Fragment]]] = {}
         self._flats: dict[tuple[int, str], Flat] = {}
@@ -100,7 +131,7 @@ class DeepSpeedReader(TensorTable):
         self._scaler_state: Any = None  # the loss scaler (object or dict) where not in optim files
         ds_config = self.model_states.get("ds_config") or {}
         self.ds_config: dict[str, Any] = ds_config if isinstance(ds_config, dict) else {}
-        self.train_dtype = _train_dtype(self.ds_config)
+        self.train_dtype = train_dtype(self.ds_config)
         scalars: dict[str, dict[str, Any]] = {}
         param_groups: list[dict[str, Any]] = []
         stage = 0
@@ -120,14 +151,18 @@ class DeepSpeedReader(TensorTable):
 
         for n in names:
             if LAYER_FILE.match(n):
+                raise CheckpointError(
+                    f"{self.dir / n}: a pipeline-parallel layer file; DeepSpeedReader reads one "
+                    "stage. Open the directory with deepspeed_pipe.open_deepspeed (as "
+                    "load_checkpoint and slipstream convert do)"
+                )
+            if OLD_EXPERT_FILE.match(n):
                 refuse(
                     n,
-                    "a pipeline-parallel layer file (DeepSpeed's PipelineModule checkpoint)",
-                    "Convert it with DeepSpeed's ds_to_universal.py or load it in DeepSpeed and "
-                    "save with pipeline parallelism off",
+                    "a mixture-of-experts file of DeepSpeed before 0.6 (every layer's expert in "
+                    "one file)",
+                    "Load it in a current DeepSpeed and save again (layer_<l>_expert_<e> files)",
                 )
-            if n.startswith(("expert_", "layer_")) and "expert_" in n:
-                refuse(n, "a mixture-of-experts expert file", "Save without expert parallelism")
             if re.search(r"mp_rank_(?!00)\d+_", n):
                 refuse(
                     n,
@@ -177,7 +212,7 @@ class DeepSpeedReader(TensorTable):
                     self._full[f"optim/{key}/{name}"] = value
                     self._table(f"optim/{key}/{name}", tuple(value.shape), value.dtype)
         self._scaler_state = common.get("loss_scaler")
-        return stage, _scalars(steps, len(groups), path), groups
+        return stage, per_group_scalars(steps, len(groups), path), groups
 
     # ------------------------------------------------------------ ZeRO files
     def _read_zero(
@@ -205,13 +240,22 @@ class DeepSpeedReader(TensorTable):
             stage = 0
         count = first.get("partition_count")
         counts = count if isinstance(count, list) else [count]
-        if any(c is not None and int(c) != world for c in counts):
+        # Expert param groups (MoE) are partitioned over world / ep_size ranks.
+        has_base = "base_optimizer_state" in first or "optimizer_state_dict" in first
+        ep = [_ep_size(g, first_path) for g in base_state(first, first_path)[1]] if has_base else []
+        want = [world // e for e in ep] if len(ep) == len(counts) else [world] * len(counts)
+        if any(c is not None and int(c) != n for c, n in zip(counts, want)):
             raise CheckpointError(
                 f"{first_path} says the states were partitioned over {counts} ranks but "
                 f"{self.dir} holds {world} optimizer files: files are missing or come from "
                 "different runs"
             )
         shapes = require_key(self.model_states, "param_shapes", self._model_file)
+        if self._experts and stage == 3:
+            raise CheckpointError(
+                f"{self.dir}: a mixture-of-experts checkpoint at ZeRO stage 3; slipstream "
+                "cannot read it. Save it from DeepSpeed at ZeRO stage 1 or 2"
+            )
         if stage == 3:
             if len(zero3_models) != world:
                 raise CheckpointError(
@@ -221,13 +265,23 @@ class DeepSpeedReader(TensorTable):
             base, groups = self._layout_zero3(osds, shapes, world)
             self._read_zero3_frozen(zero3_models, world)
         else:
-            base, groups = self._layout_zero12(osds, shapes, world)
+            moe = ExpertLayout(
+                world, bool(self.ds_config.get(DATA_BEFORE_EXPERT)), self._layer_experts
+            )
+            base, groups = self._layout_zero12(osds, shapes, ep, moe)
         scalars = self._optimizer_states(osds, base, groups)
         return stage, scalars, groups
 
     def _layout_zero12(
-        self, osds: list[tuple[Path, dict[str, Any]]], shapes: list[dict[str, Any]], world: int
+        self,
+        osds: list[tuple[Path, dict[str, Any]]],
+        shapes: list[dict[str, Any]],
+        ep: list[int],
+        moe: ExpertLayout,
     ) -> tuple[list[Any], list[dict[str, Any]]]:
+        """Each group's flat is partitioned over the data-parallel ranks, or, for an expert
+        group of ``ep_size`` E, each expert-parallel rank's flat (its local experts) over its
+        ``world / E`` expert-data-parallel ranks."""
         path0, osd0 = osds[0]
         partitions = [require_key(o, "single_partition_of_fp32_groups", p) for p, o in osds]
         paddings = [require_key(o, "group_paddings", p) for p, o in osds]
@@ -239,30 +293,35 @@ class DeepSpeedReader(TensorTable):
             )
         sizes = [int(partitions[0][g].numel()) + int(paddings[0][g]) for g in range(len(shapes))]
         bases = [sum(sizes[:g]) for g in range(len(shapes))]
+        world, expert_group = moe.world, [bool(g.get("moe")) for g in base_state(osd0, path0)[1]]
         for g, group in enumerate(shapes):
-            offset = 0
-            for j, (name, shape) in enumerate(group.items()):
-                numel = math.prod(shape)
-                frags, done = [], 0
-                while done < numel:
-                    idx = offset + done
-                    rank, local = divmod(idx, sizes[g])
-                    n = min(numel - done, sizes[g] - local)
-                    frags.append(Fragment(rank, bases[g] + local, done, n))
-                    done += n
-                self._add_trainable(name, tuple(shape), frags)
-                offset += numel + (int(align[g][j]) if align else 0)
-            if offset > sizes[g] * world:
+            e_size = ep[g] if g < len(ep) else 1
+            for e in range(e_size):
+                offset = 0
+                for j, (name, shape) in enumerate(group.items()):
+                    numel = math.prod(shape)
+                    frags, done = [], 0
+                    while done < numel:
+                        idx = offset + done
+                        part, local = divmod(idx, sizes[g])
+                        n = min(numel - done, sizes[g] - local)
+                        frags.append(Fragment(moe.rank(e_size, e, part), bases[g] + local, done, n))
+                        done += n
+                    if g < len(expert_group) and expert_group[g]:
+                        name = moe.global_name(name, e_size, e, self._model_file)
+                    self._add_trainable(name, tuple(shape), frags)
+                    offset += numel + (int(align[g][j]) if align else 0)
+            if offset > sizes[g] * (world // e_size):
                 raise CheckpointError(
                     f"param group {g} of {self._model_file} needs {offset} elements but the "
-                    f"{world} partitions in {self.dir} hold {sizes[g] * world}"
+                    f"{world // e_size} partitions in {self.dir} hold {sizes[g] * world // e_size}"
                 )
         for r, (path, _) in enumerate(osds):
             self._flats[(r, "fp32")] = Flat(bases, partitions[r], f"{path} fp32 partition")
-        base = [_base_state(o, p) for p, o in osds]
+        base = [base_state(o, p) for p, o in osds]
         for r, (path, _) in enumerate(osds):
             states = base[r][0]
-            for key in _state_keys(states):
+            for key in state_keys(states):
                 self._flats[(r, key)] = Flat(bases, [s[key] for s in states], f"{path} '{key}'")
         return base, base[0][1]
 
@@ -281,7 +340,7 @@ class DeepSpeedReader(TensorTable):
                 ]
                 self._add_trainable(name, tuple(shape), frags)
                 local += per_rank
-        base = [_base_state(o, p) for p, o in osds]
+        base = [base_state(o, p) for p, o in osds]
         for r, (path, osd) in enumerate(osds):
             flat = require_key(osd, "fp32_flat_groups", path)
             bases = [sum(int(t.numel()) for t in flat[:g]) for g in range(len(flat))]
@@ -292,7 +351,7 @@ class DeepSpeedReader(TensorTable):
                 )
             self._flats[(r, "fp32")] = Flat(bases, flat, f"{path} fp32_flat_groups")
             states = base[r][0]
-            for key in _state_keys(states):
+            for key in state_keys(states):
                 self._flats[(r, key)] = Flat(bases, [s[key] for s in states], f"{path} '{key}'")
         return base, base[0][1]
 
@@ -319,14 +378,14 @@ class DeepSpeedReader(TensorTable):
         self, osds: list[tuple[Path, dict[str, Any]]], base: list[Any], groups: list[Any]
     ) -> dict[str, dict[str, Any]]:
         states, _ = base[0]
-        keys = _state_keys(states)
+        keys = state_keys(states)
         for name, (_, frags) in list(self._frags.items()):
             if name.startswith("master/"):
                 param = name.removeprefix("master/")
                 for key in keys:
                     self._frags[f"optim/{key}/{param}"] = (key, frags)
                     self._table(f"optim/{key}/{param}", self.tensors[name]["shape"], torch.float32)
-        return _scalars(states, len(groups), osds[0][0])
+        return per_group_scalars(states, len(groups), osds[0][0])
 
     # ------------------------------------------------------------ stage 0
     def _read_stage0(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -339,7 +398,7 @@ class DeepSpeedReader(TensorTable):
         masters: list[torch.Tensor] | None = None
         if "optimizer_state_dict" in sd:  # FP16_Optimizer / FP16_UnfusedOptimizer
             self._scaler_state = sd
-            masters = _stage0_masters(sd, self._model_file)
+            masters = stage0_masters(sd, self._model_file)
             sd = sd["optimizer_state_dict"]
         if "state" not in sd or "param_groups" not in sd:
             raise CheckpointError(
@@ -351,6 +410,9 @@ class DeepSpeedReader(TensorTable):
         skip = set(self.model_states.get("buffer_names") or [])
         skip |= set(self.model_states.get("shared_params") or {})
         names = [n for n in module if n not in skip]
+        if self._experts:  # MoE: each expert-parallel rank's optimizer is in its expp_rank file
+            sd, names = stage0_expert_states(self.dir, masters is None, names, self._experts)
+            module = {**module, **self._experts}
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         if len(ids) != len(names):
             raise CheckpointError(
@@ -373,7 +435,7 @@ class DeepSpeedReader(TensorTable):
                     self._full[f"optim/{key}/{name}"] = value
                     self._table(f"optim/{key}/{name}", tuple(module[name].shape), value.dtype)
         groups = [dict(g) for g in sd["param_groups"]]
-        return _scalars(states, len(groups), self._model_file), groups
+        return per_group_scalars(states, len(groups), self._model_file), groups
 
     # ------------------------------------------------------------ module, manifest
     def _read_module(self, stage: int) -> None:
@@ -381,7 +443,7 @@ class DeepSpeedReader(TensorTable):
         if module is None:
             raise CheckpointError(
                 f"{self._model_file} key 'module' is None: a pipeline-parallel checkpoint "
-                "(the weights are in layer_* files), which slipstream cannot read"
+                "(the weights are in layer_* files); open it with deepspeed_pipe.open_deepspeed"
             )
         buffers = set(self.model_states.get("buffer_names") or [])
         shared = set(self.model_states.get("shared_params") or {})
@@ -391,6 +453,10 @@ class DeepSpeedReader(TensorTable):
             kind = "buffer" if name in buffers else "model"
             if stage == 3 and kind == "model":
                 continue  # empty placeholders: the values are the fp32 partitions
+            self._full[f"{kind}/{name}"] = value
+            self._table(f"{kind}/{name}", tuple(value.shape), value.dtype)
+        for name, value in self._experts.items():
+            kind = "buffer" if name in buffers else "model"
             self._full[f"{kind}/{name}"] = value
             self._table(f"{kind}/{name}", tuple(value.shape), value.dtype)
         for name in [n for n in self.tensors if n.startswith("master/")]:
@@ -507,57 +573,17 @@ def check_optimizer(reader: DeepSpeedReader, opt: Any) -> None:
     )
 
 
-def _train_dtype(ds_config: dict[str, Any]) -> torch.dtype:
-    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
-        if (ds_config.get(key) or {}).get("enabled"):
-            return dtype
-    if (ds_config.get("fp16") or {}).get("enabled"):
-        return torch.float16
-    return torch.float32
+DATA_BEFORE_EXPERT = "use_data_before_expert_parallelism"
+"""DeepSpeed's config key that puts the expert-data-parallel ranks side by side."""
 
 
-def _stage0_masters(sd: dict[str, Any], path: Path) -> list[torch.Tensor]:
-    """FP16_Optimizer's fp32 masters in parameter order: per parameter (the unfused one's
-    ``fp32_groups``) or one flat tensor per group (the fused one's ``fp32_groups_flat``)."""
-    if "fp32_groups" in sd:
-        return [t for group in sd["fp32_groups"] for t in group]
-    return list(require_key(sd, "fp32_groups_flat", path))
-
-
-def _base_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[Any]]:
-    """(per group optimizer state, param groups) of a ZeRO file's base optimizer."""
-    if "base_optimizer_state" in osd:
-        base = osd["base_optimizer_state"]
-        if isinstance(base, list):  # elastic_checkpoint: per-group states without padding
-            step = osd.get("base_optimizer_state_step")
-            states = [dict(s, step=s.get("step", step)) for s in base]
-            return states, [{} for _ in base]
-    else:
-        base = require_key(osd, "optimizer_state_dict", path)
-    state, groups = require_key(base, "state", path), require_key(base, "param_groups", path)
-    ids = [i for g in groups for i in g["params"]]
-    return [state.get(i, {}) for i in ids], groups
-
-
-def _state_keys(states: list[dict[str, Any]]) -> list[str]:
-    return sorted(
-        {k for s in states for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    )
-
-
-def _scalars(states: list[dict[str, Any]], n_groups: int, path: Path) -> dict[str, dict[str, Any]]:
-    """Per-group scalar states (Adam's ``step``) in the manifest's terms; DeepSpeed keeps one
-    per flat group, and every group must agree (DeepSpeed asserts the same)."""
-    found: dict[str, set[Any]] = {}
-    for state in states:
-        for k, v in state.items():
-            if not (isinstance(v, torch.Tensor) and v.dim() > 0):
-                found.setdefault(k, set()).add(v.item() if isinstance(v, torch.Tensor) else v)
-    one: dict[str, Any] = {}
-    for k, values in found.items():
-        if len(values) > 1:
-            raise CheckpointError(f"{path}: optimizer state '{k}' differs between groups: {values}")
-        value = values.pop()
-        # torch's Adam keeps ``step`` as a float32 tensor; DeepSpeed's FusedAdam as an int.
-        one[k] = {"value": float(value), "tensor": True, "dtype": "float32"}
-    return {str(g): dict(one) for g in range(n_groups)}
+def _ep_size(group: dict[str, Any], path: Path) -> int:
+    """The expert-parallel size of a param group (1 unless DeepSpeed marked it ``moe``)."""
+    if not group.get("moe"):
+        return 1
+    name = str(group.get("name", ""))
+    if not re.fullmatch(r"ep_size_\d+", name):
+        raise CheckpointError(
+            f"{path}: an expert param group named {name!r}, not DeepSpeed's 'ep_size_<n>'"
+        )
+    return int(name.removeprefix("ep_size_"))

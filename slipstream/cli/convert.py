@@ -3,7 +3,7 @@
 Streams tensor by tensor (peak memory about the largest tensor), from any world size and ZeRO
 stage; the output loads with ``transformers``' ``from_pretrained`` when the checkpoint was of a
 Hugging Face model. ``--to slipstream`` turns a DeepSpeed checkpoint into a slipstream one;
-``--to deepspeed`` writes a slipstream checkpoint in DeepSpeed's ZeRO-1/2 layout.
+``--to deepspeed`` writes a slipstream checkpoint in DeepSpeed's ZeRO-1/2 or ZeRO-3 layout.
 """
 
 from __future__ import annotations
@@ -39,8 +39,13 @@ def add_parser(subparsers: Any) -> None:
         help="--to deepspeed: the DeepSpeed data-parallel world to lay out for (default: saved)",
     )  # fmt: skip
     p.add_argument(
-        "--zero-stage", type=int, default=2, choices=[1, 2],
+        "--zero-stage", type=int, default=2, choices=[1, 2, 3],
         help="--to deepspeed: the ZeRO stage DeepSpeed will load it at (default 2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--sub-group-size", type=int, default=1_000_000_000,
+        help="--to deepspeed --zero-stage 3: the DeepSpeed run's zero_optimization."
+        "sub_group_size (default 1e9, DeepSpeed's default)",
     )  # fmt: skip
     p.set_defaults(handler=convert_command)
 
@@ -58,7 +63,13 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.to == "slipstream":
             path = deepspeed_to_slipstream(args.checkpoint, args.out_dir)
         elif args.to == "deepspeed":
-            path = export_deepspeed(args.checkpoint, args.out_dir, args.world_size, args.zero_stage)
+            path = export_deepspeed(
+                args.checkpoint,
+                args.out_dir,
+                args.world_size,
+                args.zero_stage,
+                sub_group_size=args.sub_group_size,
+            )
         else:
             path = convert_checkpoint(
                 args.checkpoint, args.out_dir, args.dtype, args.max_shard_size

@@ -167,19 +167,25 @@ def slipstream_saves(root: str, stage: int) -> list[float]:
     return _train(engine, range(SAVED, SAVED + MORE), False)
 
 
-def deepspeed_resumes(root: str, stage: int) -> dict[str, Any]:
-    """DeepSpeed loads the DeepSpeed-layout export ``root/to_ds`` and continues."""
+def deepspeed_resumes(root: str, cases: list[tuple[str, int, int | None]]) -> dict[str, Any]:
+    """DeepSpeed loads each DeepSpeed-layout export ``root/<sub>`` at ZeRO ``stage`` (with
+    ``sub_group_size`` when given) and continues."""
     from tests.compat._deepspeed import import_deepspeed
 
     deepspeed = import_deepspeed()
-    m = model(seed=5)
-    engine, *_ = deepspeed.initialize(
-        model=m, model_parameters=m.parameters(), config=config(stage, DS_WORLD)
-    )
-    _, client = engine.load_checkpoint(str(Path(root) / "to_ds"))
-    counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
-    return {
-        "losses": _train(engine, range(SAVED, SAVED + MORE), False),
-        "counters": counters,
-        "epoch": (client or {}).get("epoch"),
-    }
+    out = {}
+    for sub, stage, sub_group_size in cases:
+        m = model(seed=5)
+        cfg = config(stage, DS_WORLD)
+        if sub_group_size is not None:
+            cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+        engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+        _, client = engine.load_checkpoint(str(Path(root) / sub))
+        counters = (engine.global_steps, engine.global_samples, engine.skipped_steps)
+        out[sub] = {
+            "losses": _train(engine, range(SAVED, SAVED + MORE), False),
+            "counters": counters,
+            "epoch": (client or {}).get("epoch"),
+        }
+        engine.destroy()
+    return out

@@ -124,7 +124,6 @@ def test_damaged_file_and_missing_key_are_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "what"),
     [
-        ("layer_01-model_states.pt", "a pipeline-parallel layer file"),
         ("mp_rank_01_model_states.pt", "a model-parallel (tensor-parallel) rank file"),
         ("zero", "a universal checkpoint folder without optimizer_state.pt"),
     ],
@@ -215,29 +214,35 @@ def test_resumes_deepspeed_bf16(deepspeed_root: Any, resumed: Any) -> None:
 @needs_deepspeed
 def test_export_resumes_in_deepspeed(tmp_path: Path) -> None:
     """slipstream ZeRO-3 at world 2 saves; ``convert --to deepspeed`` lays it out for
-    DeepSpeed ZeRO-2 at world 2; DeepSpeed loads it and continues with slipstream's own
+    DeepSpeed ZeRO-2 and ZeRO-3 (with a sub_group_size that cuts the model into two
+    sub-groups) at world 2; DeepSpeed loads each and continues with slipstream's own
     continuation losses, and DeepSpeed's zero_to_fp32 reads slipstream's masters back."""
     want = run_world(w.slipstream_saves, 2, str(tmp_path), 3)[0]
-    assert cli(["convert", str(tmp_path / "ss"), str(tmp_path / "to_ds"), "--to", "deepspeed",
-                "--world-size", "2", "--zero-stage", "2"]) == 0  # fmt: skip
-    got = run_world(w.deepspeed_resumes, 2, str(tmp_path), 2, timeout_s=400)[0]
-    assert got["losses"] == pytest.approx(want, **FP32)
-    assert got["counters"] == (w.SAVED, w.SAVED * w.MICRO * w.DS_WORLD, 0)
-    assert got["epoch"] == 7
+    for stage in (2, 3):
+        assert cli(["convert", str(tmp_path / "ss"), str(tmp_path / f"to_ds{stage}"), "--to",
+                    "deepspeed", "--world-size", "2", "--zero-stage", str(stage),
+                    "--sub-group-size", "50"]) == 0  # fmt: skip
+    cases = [("to_ds2", 2, None), ("to_ds3", 3, 50)]
+    got = run_world(w.deepspeed_resumes, 2, str(tmp_path), cases, timeout_s=400)[0]
     from tests.compat._deepspeed import import_deepspeed
 
     import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "to_ds"))
     reader = CheckpointReader(next((tmp_path / "ss").glob("global_step*")))
-    for name, value in weights.items():
-        assert torch.equal(value, reader.read_full(f"model/{name}")), name  # fp32: no masters
+    for sub in ("to_ds2", "to_ds3"):
+        assert got[sub]["losses"] == pytest.approx(want, **FP32), sub
+        assert got[sub]["counters"] == (w.SAVED, w.SAVED * w.MICRO * w.DS_WORLD, 0)
+        assert got[sub]["epoch"] == 7
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / sub))
+        assert sorted(weights) == sorted(reader.names("model"))
+        for name, value in weights.items():  # fp32: no separate masters
+            assert torch.equal(value, reader.read_full(f"model/{name}")), (sub, name)
 
 
 def test_export_refuses_what_it_cannot_write(tmp_path: Path, fixture_root: Path) -> None:
-    with pytest.raises(CheckpointError, match="zero_stage=3 is not supported"):
-        export_deepspeed(tmp_path, tmp_path / "out", zero_stage=3)
+    with pytest.raises(CheckpointError, match="zero_stage=0 is not supported"):
+        export_deepspeed(tmp_path, tmp_path / "out", zero_stage=0)
     # A converted DeepSpeed checkpoint has no param_order: it is DeepSpeed's already.
     conv = fixture_root / "conv"
     if not conv.exists():
@@ -248,15 +253,15 @@ def test_export_refuses_what_it_cannot_write(tmp_path: Path, fixture_root: Path)
 
 def test_export_reads_back_at_other_worlds(tmp_path: Path) -> None:
     """Without DeepSpeed: a slipstream ZeRO-2 checkpoint of world 2 exported for DeepSpeed
-    worlds 1 and 3 reads back (through the DeepSpeed reader) with every weight and Adam state
+    worlds 1 and 3 at ZeRO-1 and ZeRO-3 (cut into sub-groups of 20 elements) reads back (through the DeepSpeed reader) with every weight and Adam state
     equal, the counters and the client state kept."""
     run_world(w.slipstream_saves, 2, str(tmp_path), 2)
     saved = CheckpointReader(next((tmp_path / "ss").glob("global_step*")))
     # Adam's 0-d step beside a one-element piece (0.bias here) stays a per-group scalar.
     assert saved.manifest["optim_keys"] == ["exp_avg", "exp_avg_sq"]
-    for world in (1, 3):
+    for world, stage in ((1, 1), (3, 1), (1, 3), (3, 3)):
         out = export_deepspeed(
-            tmp_path / "ss", tmp_path / f"to_ds{world}", world_size=world, zero_stage=1
+            tmp_path / "ss", tmp_path / f"to_ds{world}_{stage}", world, stage, sub_group_size=20
         )
         back = DeepSpeedReader(out)
         assert len(list(out.glob("zero_pp_rank_*_optim_states.pt"))) == world
@@ -267,6 +272,6 @@ def test_export_reads_back_at_other_worlds(tmp_path: Path) -> None:
                 assert torch.equal(got, want), (world, kind, name)
             assert torch.equal(back.read_full(f"master/{name}"), saved.read_full(f"model/{name}"))
         m = back.manifest
-        assert (m["global_steps"], m["global_samples"], m["zero_stage"]) == (w.SAVED, 24, 1)
+        assert (m["global_steps"], m["global_samples"], m["zero_stage"]) == (w.SAVED, 24, stage)
         assert m["optim_scalars"]["0"]["step"]["value"] == w.SAVED
         assert back.load_object("extra.pt")["client_state"]["epoch"] == 7
