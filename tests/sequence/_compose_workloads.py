@@ -1,0 +1,110 @@
+"""Rank bodies for sequence parallelism composed with checkpoints, packing, bf16 and
+activation checkpointing on a tiny HF LLaMA (4 heads, 2 KV heads); batches are fed by hand
+(the global batches of ``_hf_workloads``, sharded here), so a run can resume at any step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.sequence import _hf_workloads as hw
+
+MODEL = "llama_gqa2"
+SAVE_AT, TOTAL = 2, 4  # steps before the checkpoint, steps in all
+STAGE = {"ulysses": 2, "ring": 3}
+
+
+def config(mode: str, sp: int, stage: int, **extra: Any) -> dict[str, Any]:
+    cfg = hw._config(stage, sp)
+    if sp > 1:
+        cfg["sequence_parallel_mode"] = mode
+    cfg.update(extra)
+    return cfg
+
+
+def global_batch(step: int) -> dict[str, torch.Tensor]:
+    return hw._global_batches()[step]
+
+
+def shard(batch: dict[str, torch.Tensor], mode: str) -> dict[str, Any]:
+    """This rank's part of a global batch (the full batch on one rank)."""
+    from slipstream.sequence import shard_causal_lm_batch, shard_causal_lm_batch_ring
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return dict(batch)
+    if mode == "ring":
+        return shard_causal_lm_batch_ring(batch, world, rank)
+    return shard_causal_lm_batch(batch, world, rank)
+
+
+def _params(engine: Any) -> dict[str, torch.Tensor]:
+    import slipstream
+
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def train(
+    mode: str,
+    steps: range,
+    *,
+    load: str | None = None,
+    save: str | None = None,
+    save_after: int | None = None,
+    batches: Any = global_batch,
+    model: torch.nn.Module | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """SP = world (``mode`` attention) through ``initialize``: optionally load a checkpoint,
+    run ``steps`` (global batch indices), saving to ``save`` after step ``save_after``."""
+    import slipstream
+
+    sp = dist.get_world_size()
+    engine, *_ = slipstream.initialize(
+        model=model if model is not None else hw.make_model(MODEL),
+        config=config(mode, sp, STAGE[mode], **extra),
+    )
+    if load is not None:
+        path, _ = engine.load_checkpoint(load)
+        assert path is not None, load
+    losses = []
+    for step in steps:
+        out = engine(**shard(batches(step), mode))
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss.detach()))
+        if save is not None and step == save_after:
+            engine.save_checkpoint(save)
+    result = {"losses": losses, "params": _params(engine), "step": engine.global_steps}
+    engine.destroy()
+    return result
+
+
+def reshard_one(root: str, phase: str) -> dict[str, Any]:
+    """One rank, SP=1. ``save``: an uninterrupted run of ``TOTAL`` steps for each mode's ZeRO
+    stage, checkpointed after ``SAVE_AT``; ``resume``: load each mode's SP=2 checkpoint and
+    run the remaining steps."""
+    out = {}
+    for mode in STAGE:
+        if phase == "save":
+            out[mode] = train(
+                mode, range(TOTAL), save=f"{root}/sp1_{mode}", save_after=SAVE_AT - 1
+            )
+        else:
+            out[mode] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp2_{mode}")
+    return out
+
+
+def reshard_two(root: str) -> dict[str, Any]:
+    """SP=2 on 2 ranks, each mode: resume the SP=1 checkpoint; and run ``SAVE_AT`` steps
+    from scratch and checkpoint them."""
+    out = {}
+    for mode in STAGE:
+        out[("resume", mode)] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp1_{mode}")
+        out[("save", mode)] = train(
+            mode, range(SAVE_AT), save=f"{root}/sp2_{mode}", save_after=SAVE_AT - 1
+        )
+    return out
