@@ -108,3 +108,20 @@ def reshard_two(root: str) -> dict[str, Any]:
             mode, range(SAVE_AT), save=f"{root}/sp2_{mode}", save_after=SAVE_AT - 1
         )
     return out
+
+
+def packed_batch(step: int) -> dict[str, torch.Tensor]:
+    """Global batch ``step`` of ``_ring_workloads.RingData(16, packed=True)`` in the loader's
+    order: two documents per row (position ids restart at 0 at token 5)."""
+    from tests.sequence._ring_workloads import RingData
+
+    data = RingData(hw.SEQ, True)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(7)).tolist()
+    items = [data[i] for i in order[step * hw.BATCH : (step + 1) * hw.BATCH]]
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def packed_ulysses(stage: int) -> dict[str, Any]:
+    """Ulysses SP = world on packed rows (``hw.STEPS`` steps)."""
+    return train("ulysses", range(hw.STEPS), batches=packed_batch, zero_optimization={
+        "stage": stage, "stage3_param_persistence_threshold": 0})
