@@ -83,30 +83,50 @@ def train(
     return result
 
 
-def reshard_one(root: str, phase: str) -> dict[str, Any]:
+BF16 = {"bf16": {"enabled": True}}
+
+
+def _checkpointed() -> torch.nn.Module:
+    model = hw.make_model(MODEL)
+    model.gradient_checkpointing_enable()
+    return model
+
+
+def world_one(root: str, phase: str) -> dict[str, Any]:
     """One rank, SP=1. ``save``: an uninterrupted run of ``TOTAL`` steps for each mode's ZeRO
-    stage, checkpointed after ``SAVE_AT``; ``resume``: load each mode's SP=2 checkpoint and
-    run the remaining steps."""
-    out = {}
+    stage, checkpointed after ``SAVE_AT``, and a bf16 run; ``resume``: load each mode's SP=2
+    checkpoint and run the remaining steps."""
+    out: dict[Any, Any] = {}
     for mode in STAGE:
         if phase == "save":
-            out[mode] = train(
-                mode, range(TOTAL), save=f"{root}/sp1_{mode}", save_after=SAVE_AT - 1
-            )
+            out[mode] = train(mode, range(TOTAL), save=f"{root}/sp1_{mode}", save_after=SAVE_AT - 1)
         else:
             out[mode] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp2_{mode}")
+    if phase == "save":
+        out["bf16"] = train("ring", range(hw.STEPS), **BF16)
     return out
 
 
-def reshard_two(root: str) -> dict[str, Any]:
-    """SP=2 on 2 ranks, each mode: resume the SP=1 checkpoint; and run ``SAVE_AT`` steps
-    from scratch and checkpoint them."""
-    out = {}
+def world_two(root: str) -> dict[str, Any]:
+    """SP=2 on 2 ranks. Each mode: resume the SP=1 checkpoint, and run ``SAVE_AT`` steps from
+    scratch and checkpoint them. Then Ulysses on packed rows, and ring attention in bf16,
+    with HF's gradient checkpointing, and with that under slipstream's
+    ``activation_checkpointing`` (``cpu_checkpointing``)."""
+    out: dict[Any, Any] = {}
     for mode in STAGE:
         out[("resume", mode)] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp1_{mode}")
         out[("save", mode)] = train(
             mode, range(SAVE_AT), save=f"{root}/sp2_{mode}", save_after=SAVE_AT - 1
         )
+    out["packed"] = packed_ulysses(2)
+    out["bf16"] = train("ring", range(hw.STEPS), **BF16)
+    out["hf_ckpt"] = train("ring", range(TOTAL), model=_checkpointed())
+    out["ds_ckpt"] = train(
+        "ring",
+        range(TOTAL),
+        model=_checkpointed(),
+        activation_checkpointing={"cpu_checkpointing": True},
+    )
     return out
 
 
@@ -123,5 +143,9 @@ def packed_batch(step: int) -> dict[str, torch.Tensor]:
 
 def packed_ulysses(stage: int) -> dict[str, Any]:
     """Ulysses SP = world on packed rows (``hw.STEPS`` steps)."""
-    return train("ulysses", range(hw.STEPS), batches=packed_batch, zero_optimization={
-        "stage": stage, "stage3_param_persistence_threshold": 0})
+    return train(
+        "ulysses",
+        range(hw.STEPS),
+        batches=packed_batch,
+        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
+    )
