@@ -127,6 +127,7 @@ def world_two(root: str) -> dict[str, Any]:
         model=_checkpointed(),
         activation_checkpointing={"cpu_checkpointing": True},
     )
+    out["genome"] = genome_ring()
     return out
 
 
@@ -149,3 +150,25 @@ def packed_ulysses(stage: int) -> dict[str, Any]:
         batches=packed_batch,
         zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
     )
+
+
+GENOME_ARGS = ["--sequence-parallel", "ring", "--seq-len", "32", "--steps", "2", "--batch", "1"]
+GENOME_ARGS += ["--layers", "1", "--hidden", "32", "--no-compare"]
+
+
+def genome_ring() -> str:
+    """``examples/genome_lm.py --sequence-parallel ring`` on this world (its stdout)."""
+    import contextlib
+    import importlib.util
+    import io
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "genome_lm.py"
+    spec = importlib.util.spec_from_file_location("genome_lm_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main(GENOME_ARGS)
+    return out.getvalue()

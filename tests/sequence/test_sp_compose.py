@@ -1,14 +1,19 @@
 """Sequence parallelism composed with the rest of training on a tiny HF LLaMA (4 heads,
 2 KV heads), against one rank at SP=1: checkpoints saved at SP=2 (Ulysses, ring) resume at
 SP=1 and the reverse; Ulysses on packed rows; ring attention in bf16 and under activation
-checkpointing (HF's and slipstream's). Three forked worlds (1, 2, 1 ranks) for all of it."""
+checkpointing (HF's and slipstream's); the genome LM example's ring mode. Three forked
+worlds (1, 2, 1 ranks) and one forked script for all of it."""
 
 from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.harness import run_world
+from tests.distributed.harness import run_script, run_world
 from tests.distributed.parity import assert_same_training
 from tests.sequence import _compose_workloads as c
 from tests.sequence import _ring_workloads as rw
@@ -72,3 +77,17 @@ def test_ring_bf16_matches_sp1_bf16(worlds):
     assert (losses - torch.tensor(ref["losses"])).abs().max() <= (
         fp32 - torch.tensor(ref["losses"])
     ).abs().max()
+
+
+def test_genome_lm_example_ring_mode(worlds):
+    """``examples/genome_lm.py --sequence-parallel ring`` (32 bases, 2 steps) runs as a
+    script on one process and on the 2-rank world, with the same losses (printed to 3
+    decimals: ring attention over 2 ranks equals the whole sequence on one)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[2]
+    proc = run_script(root / "examples" / "genome_lm.py", *c.GENOME_ARGS, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    two = worlds[1][0]["genome"]
+    losses = [re.findall(r"step +\d+ +loss ([\d.]+)", text) for text in (proc.stdout, two)]
+    assert len(losses[0]) == 2 and losses[0] == losses[1], (proc.stdout, two)
+    assert "held-out loss on motif bases" in two
