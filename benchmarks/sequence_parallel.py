@@ -17,15 +17,29 @@ activations) and during forward + backward, per rank, at a fixed N, by
 Parameters exist before the region and are not counted; parameter gradients are (same for
 every P).
 
+Strong scaling (``--scaling``): one training step (forward, backward, SGD step through
+``slipstream.initialize``) of a LLaMA-shaped Hugging Face model at one sequence length, on
+1 rank and on 2 ranks with Ulysses and with ring attention, every rank on one thread
+(``torch.set_num_threads(1)``). Per step: the wall time (the slowest rank, steps started
+together at a barrier) and each process's CPU time (``time.process_time``: all its threads,
+gloo's included; waiting for a peer costs none). Medians with the 10th-90th percentile spread
+and the ratio SP=2 / SP=1 of the medians (goal: at most 0.6). ``--rounds`` alternates the
+worlds so a load that drifts affects both. On a shared machine only the CPU clock means
+anything; the wall ratio needs a quiet machine with a core per rank.
+
     python benchmarks/sequence_parallel.py                 # N=1024, hidden 256, 8 heads, 2 layers
     python benchmarks/sequence_parallel.py --seq 2048 --degrees 1,2 --json sp.json
+    python benchmarks/sequence_parallel.py --scaling --seq 4096 --steps 10 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -203,6 +217,121 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     return results
 
 
+# ------------------------------------------------------------------ strong scaling
+def _llama(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 11 // 4,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=max(1, args.heads // 2),
+            max_position_embeddings=args.seq,
+            attn_implementation="sdpa",
+        )
+    )
+
+
+def _scaling_body(args: argparse.Namespace, mode: str, rank: int, device: Any) -> dict[str, Any]:
+    """One rank: ``args.warmup`` + ``args.steps`` training steps; per-step wall and CPU ms."""
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.sequence import shard_causal_lm_batch, shard_causal_lm_batch_ring
+
+    torch.set_num_threads(1)
+    p = dist.get_world_size()
+    cfg: dict[str, Any] = {
+        "train_batch_size": args.batch,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "sequence_parallel_size": p,
+    }
+    if p > 1:
+        cfg["sequence_parallel_mode"] = mode
+    engine, *_ = slipstream.initialize(model=_llama(args), config=cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    batch: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
+    if p > 1:
+        cut = shard_causal_lm_batch_ring if mode == "ring" else shard_causal_lm_batch
+        batch = cut(batch, p, rank)
+    wall, cpu, losses = [], [], []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = engine(**batch)
+        engine.backward(out.loss)
+        engine.step()
+        w1, c1 = time.perf_counter(), time.process_time()
+        losses.append(float(out.loss.detach()))
+        if step >= args.warmup:
+            wall.append((w1 - w0) * 1e3)
+            cpu.append((c1 - c0) * 1e3)
+    engine.destroy()
+    return {"wall_ms": wall, "cpu_ms": cpu, "losses": losses, "threads": torch.get_num_threads()}
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    """Median, 10th and 90th percentile."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return statistics.median(values), q[0], q[-1]
+
+
+def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """Alternate the worlds (1 rank; 2 ranks Ulysses; 2 ranks ring) ``args.rounds`` times;
+    per configuration the step times of all rounds (wall: slowest rank of each step; CPU:
+    each rank's, pooled)."""
+    runs = [("single", 1), *((m, 2) for m in args.modes)]
+    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n, _ in runs}
+    loads = [os.getloadavg()[0]]
+    first_loss: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, p in runs:
+            cfg = BenchConfig(world=p, timeout_s=args.timeout)
+            outcome = spawn_world(f"scale-{name}", cfg, partial(_scaling_body, args, name))
+            if outcome.error:
+                raise RuntimeError(f"{name} P={p} failed: {outcome.error}\n{outcome.detail}")
+            recs = outcome.records
+            times[name]["wall"] += [max(w) for w in zip(*(r["wall_ms"] for r in recs))]
+            times[name]["cpu"] += [c for r in recs for c in r["cpu_ms"]]
+            first_loss[name] = recs[0]["losses"][0]
+            loads.append(os.getloadavg()[0])
+    return {"times": times, "loads": loads, "first_loss": first_loss}
+
+
+def scaling_report(args: argparse.Namespace, res: dict[str, Any]) -> str:
+    times, loads = res["times"], res["loads"]
+    out = [
+        f"strong scaling: LLaMA-shaped HF model (hidden {args.hidden}, {args.layers} layers, "
+        f"{args.heads} heads / {max(1, args.heads // 2)} KV, vocab {args.vocab}), fp32, batch "
+        f"{args.batch}, seq {args.seq}, SGD; one thread per rank; {args.steps} timed steps "
+        f"after {args.warmup} x {args.rounds} rounds; 1-min load average "
+        f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs",
+        "first-step loss (same model and tokens; equal up to fp32 summation order): "
+        + ", ".join(f"{k} {v:.5f}" for k, v in res["first_loss"].items()),
+    ]
+    head = ["run", "P", "wall ms median [p10-p90]", "cpu ms median [p10-p90]", "wall/P=1",
+            "cpu/P=1"]  # fmt: skip
+    base = {clock: _stats(times["single"][clock])[0] for clock in ("wall", "cpu")}
+    rows = []
+    for name, rec in times.items():
+        w, c = _stats(rec["wall"]), _stats(rec["cpu"])
+        rows.append([
+            name, "1" if name == "single" else "2",
+            f"{w[0]:.0f} [{w[1]:.0f}-{w[2]:.0f}]", f"{c[0]:.0f} [{c[1]:.0f}-{c[2]:.0f}]",
+            f"{w[0] / base['wall']:.2f}", f"{c[0] / base['cpu']:.2f}",
+        ])  # fmt: skip
+    out.append(_table(head, rows))
+    out.append("goal: SP=2 step time <= 0.60 x SP=1 (wall clock on a quiet machine)")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=1024, help="N of the fixed-N sweep and memory")
@@ -214,7 +343,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--degrees", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, help="write the raw per-rank records here")
+    p.add_argument("--scaling", action="store_true", help="strong scaling: SP=2 vs SP=1 time")
+    p.add_argument("--vocab", type=int, default=1024, help="--scaling: vocabulary size")
+    p.add_argument("--steps", type=int, default=8, help="--scaling: timed steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="--scaling: untimed steps per round")
+    p.add_argument("--rounds", type=int, default=1, help="--scaling: alternations of worlds")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["ulysses", "ring"])
     args = p.parse_args(argv)
+    if args.scaling:
+        res = run_scaling(args)
+        print(scaling_report(args, res))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     results = run(args)
     print(report(args, results))
     if args.json:
