@@ -30,6 +30,13 @@ anything; the wall ratio needs a quiet machine with a core per rank.
     python benchmarks/sequence_parallel.py                 # N=1024, hidden 256, 8 heads, 2 layers
     python benchmarks/sequence_parallel.py --seq 2048 --degrees 1,2 --json sp.json
     python benchmarks/sequence_parallel.py --scaling --seq 4096 --steps 10 --rounds 2
+
+Training parity at 4 ranks (``--parity``): a tiny LLaMA (4 heads, 2 KV heads, fp32) trains
+3 SGD steps through ``initialize`` at SP=4 as Ulysses 4 (KV heads replicated), ring 4 and
+Ulysses 2 x ring 2 (``sequence_parallel_ring_size: 2``), each against one process on the same
+global batches (computed on rank 0); prints the largest loss and parameter differences.
+
+    python benchmarks/sequence_parallel.py --parity
 """
 
 from __future__ import annotations
@@ -332,6 +339,103 @@ def scaling_report(args: argparse.Namespace, res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------ 4-rank parity
+PARITY_RUNS = {
+    "ulysses 4": ("ulysses", None),
+    "ring 4": ("ring", None),
+    "ulysses 2 x ring 2": ("ring", 2),
+}
+
+
+def _parity_body(rank: int, device: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slipstream
+    from slipstream.sequence import shard_causal_lm_batch, shard_causal_lm_batch_ring
+
+    torch.set_num_threads(1)
+    p, steps, batch, seq, lr = dist.get_world_size(), 3, 2, 32, 0.5
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=False, attn_implementation="sdpa",
+        ))  # fmt: skip
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 64, (steps, batch, seq), generator=g)
+    labels = data.clone()
+    labels[:, 0, :7] = -100  # the shards count different numbers of tokens
+    out: dict[str, Any] = {}
+    if rank == 0:  # the single-process reference
+        ref = model()
+        opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+        losses = []
+        for i in range(steps):
+            loss = ref(input_ids=data[i], labels=labels[i]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        out["reference"] = {"losses": losses}
+        ref_params = {n: q.detach() for n, q in ref.named_parameters()}
+    for name, (mode, ring) in PARITY_RUNS.items():
+        cfg: dict[str, Any] = {
+            "train_batch_size": batch,
+            "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
+            "sequence_parallel_size": p,
+            "sequence_parallel_mode": mode,
+            "gradient_clipping": 0.0,
+        }
+        if ring is not None:
+            cfg["sequence_parallel_ring_size"] = ring
+        engine, *_ = slipstream.initialize(model=model(), config=cfg)
+        losses = []
+        for i in range(steps):
+            full = {"input_ids": data[i], "labels": labels[i]}
+            if mode == "ring":
+                part = shard_causal_lm_batch_ring(full, p, rank, ring_size=ring or p)
+            else:
+                part = shard_causal_lm_batch(full, p, rank)
+            loss = engine(**part).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        if rank == 0:
+            diff = max(
+                (q.detach() - ref_params[n]).abs().max().item()
+                for n, q in engine.module.named_parameters()
+            )
+            attn = engine.module.config._attn_implementation
+            out[name] = {"losses": losses, "max_param_diff": diff, "attn": attn}
+        engine.destroy()
+    return out
+
+
+def run_parity(args: argparse.Namespace) -> str:
+    outcome = spawn_world("sp-parity4", BenchConfig(world=4, timeout_s=args.timeout), _parity_body)
+    if outcome.error:
+        raise RuntimeError(f"parity failed: {outcome.error}\n{outcome.detail}")
+    rec = outcome.records[0]
+    ref = rec["reference"]["losses"]
+    lines = [
+        "SP=4 on 4 gloo ranks vs one process: tiny LLaMA (4 heads, 2 KV heads), fp32, 3 SGD "
+        "steps (lr 0.5, momentum 0.9), batch 2 x 32 tokens",
+        f"reference losses: {', '.join(f'{x:.6f}' for x in ref)}",
+    ]
+    for name in PARITY_RUNS:
+        got = rec[name]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref))
+        lines.append(
+            f"{name:>20}: max loss rel diff {rel:.2e}, max param abs diff "
+            f"{got['max_param_diff']:.2e} (attention {got['attn']})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=1024, help="N of the fixed-N sweep and memory")
@@ -349,7 +453,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2, help="--scaling: untimed steps per round")
     p.add_argument("--rounds", type=int, default=1, help="--scaling: alternations of worlds")
     p.add_argument("--modes", type=lambda s: s.split(","), default=["ulysses", "ring"])
+    p.add_argument("--parity", action="store_true", help="SP=4 training parity (4 ranks)")
     args = p.parse_args(argv)
+    if args.parity:
+        print(run_parity(args))
+        return
     if args.scaling:
         res = run_scaling(args)
         print(scaling_report(args, res))
