@@ -64,19 +64,18 @@ def test_ring_activation_checkpointing_matches_sp1(worlds):
 
 
 def test_ring_bf16_matches_sp1_bf16(worlds):
-    """bf16 ring SP=2 against bf16 SP=1 (both ZeRO-3, 3 SGD steps): losses within rtol 1e-2
-    and parameters within 2e-2 absolute, and nearer the SP=1 bf16 run than that run is to
-    fp32 (the bound is bf16 rounding, not a loose tolerance)."""
+    """bf16 ring SP=2 against bf16 SP=1 (both ZeRO-3, 3 SGD steps): losses within rtol 2e-4
+    and parameters within 1e-2 absolute (measured: 8e-6 and 1.5e-3, about one bf16 ulp of the
+    weights), ten times nearer than the bf16 SP=1 run is to the fp32 one (measured 0.1), so
+    the bound is bf16 rounding in different places, not a loose tolerance."""
     one, two, _ = worlds
     got, ref = two[0]["bf16"], one["bf16"]
-    losses = torch.tensor(got["losses"])
-    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
-    for name, p in got["params"].items():
-        torch.testing.assert_close(p, ref["params"][name], rtol=0, atol=2e-2, msg=name)
-    fp32 = torch.tensor(one["ring"]["losses"][: len(got["losses"])])
-    assert (losses - torch.tensor(ref["losses"])).abs().max() <= (
-        fp32 - torch.tensor(ref["losses"])
-    ).abs().max()
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=2e-4, atol=0
+    )
+    diff = max((p - ref["params"][n]).abs().max().item() for n, p in got["params"].items())
+    fp32 = max((p - one["ring"]["params"][n]).abs().max().item() for n, p in ref["params"].items())
+    assert diff <= 1e-2 and diff * 10 <= fp32, (diff, fp32)
 
 
 def test_genome_lm_example_ring_mode(worlds):
