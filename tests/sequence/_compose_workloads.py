@@ -56,23 +56,28 @@ def train(
     save_after: int | None = None,
     batches: Any = global_batch,
     model: torch.nn.Module | None = None,
+    loader: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """SP = world (``mode`` attention) through ``initialize``: optionally load a checkpoint,
-    run ``steps`` (global batch indices), saving to ``save`` after step ``save_after``."""
+    run ``steps`` (global batch indices), saving to ``save`` after step ``save_after``.
+    ``loader``: read the batches from ``initialize``'s loader instead (which a checkpoint
+    resumes where it stopped)."""
     import slipstream
 
     sp = dist.get_world_size()
-    engine, *_ = slipstream.initialize(
+    engine, _, data, _ = slipstream.initialize(
         model=model if model is not None else hw.make_model(MODEL),
         config=config(mode, sp, STAGE[mode], **extra),
+        training_data=hw.LMData() if loader else None,
     )
     if load is not None:
         path, _ = engine.load_checkpoint(load)
         assert path is not None, load
+    feed = iter(data) if loader else None
     losses = []
     for step in steps:
-        out = engine(**shard(batches(step), mode))
+        out = engine(**(next(feed) if feed is not None else shard(batches(step), mode)))
         engine.backward(out.loss)
         engine.step()
         losses.append(float(out.loss.detach()))
@@ -95,28 +100,31 @@ def _checkpointed() -> torch.nn.Module:
 def world_one(root: str, phase: str) -> dict[str, Any]:
     """One rank, SP=1. ``save``: an uninterrupted run of ``TOTAL`` steps for each mode's ZeRO
     stage, checkpointed after ``SAVE_AT``, and a bf16 run; ``resume``: load each mode's SP=2
-    checkpoint and run the remaining steps."""
+    checkpoint and run the remaining steps. All read ``initialize``'s loader."""
     out: dict[Any, Any] = {}
     for mode in STAGE:
         if phase == "save":
-            out[mode] = train(mode, range(TOTAL), save=f"{root}/sp1_{mode}", save_after=SAVE_AT - 1)
+            out[mode] = train(
+                mode, range(TOTAL), save=f"{root}/sp1_{mode}", save_after=SAVE_AT - 1, loader=True
+            )
         else:
-            out[mode] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp2_{mode}")
+            out[mode] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp2_{mode}", loader=True)
     if phase == "save":
         out["bf16"] = train("ring", range(hw.STEPS), **BF16)
     return out
 
 
 def world_two(root: str) -> dict[str, Any]:
-    """SP=2 on 2 ranks. Each mode: resume the SP=1 checkpoint, and run ``SAVE_AT`` steps from
-    scratch and checkpoint them. Then Ulysses on packed rows, and ring attention in bf16,
+    """SP=2 on 2 ranks. Each mode: resume the SP=1 checkpoint, and run ``SAVE_AT`` steps from scratch and checkpoint them. Then Ulysses on packed rows, and ring attention in bf16,
     with HF's gradient checkpointing, and with that under slipstream's
     ``activation_checkpointing`` (``cpu_checkpointing``)."""
     out: dict[Any, Any] = {}
     for mode in STAGE:
-        out[("resume", mode)] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp1_{mode}")
+        out[("resume", mode)] = train(
+            mode, range(SAVE_AT, TOTAL), load=f"{root}/sp1_{mode}", loader=True
+        )
         out[("save", mode)] = train(
-            mode, range(SAVE_AT), save=f"{root}/sp2_{mode}", save_after=SAVE_AT - 1
+            mode, range(SAVE_AT), save=f"{root}/sp2_{mode}", save_after=SAVE_AT - 1, loader=True
         )
     out["packed"] = packed_ulysses(2)
     out["bf16"] = train("ring", range(hw.STEPS), **BF16)

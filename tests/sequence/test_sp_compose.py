@@ -31,7 +31,8 @@ def worlds(tmp_path_factory):
 def test_checkpoints_reshard_across_sp_degrees(worlds):
     """fp32: the continued losses (rtol 1e-5) and final parameters (rtol 1e-5, atol 2e-5)
     equal an uninterrupted SP=1 run's, for SP=2 -> SP=1 and SP=1 -> SP=2, Ulysses (ZeRO-2)
-    and ring (ZeRO-3); SGD momentum makes the optimizer state part of the check."""
+    and ring (ZeRO-3); SGD momentum makes the optimizer state part of the check. Every run reads
+    ``initialize``'s loader, which the checkpoint resumes at the next global batch."""
     one, two, back = worlds
     for mode in c.STAGE:
         whole = one[mode]
