@@ -17,15 +17,36 @@ activations) and during forward + backward, per rank, at a fixed N, by
 Parameters exist before the region and are not counted; parameter gradients are (same for
 every P).
 
+Strong scaling (``--scaling``): one training step (forward, backward, SGD step through
+``slipstream.initialize``) of a LLaMA-shaped Hugging Face model at one sequence length, on
+1 rank and on 2 ranks with Ulysses and with ring attention, every rank on one thread
+(``torch.set_num_threads(1)``). Per step: the wall time (the slowest rank, steps started
+together at a barrier) and each process's CPU time (``time.process_time``: all its threads,
+gloo's included; waiting for a peer costs none). Medians with the 10th-90th percentile spread
+and the ratio SP=2 / SP=1 of the medians (goal: at most 0.6). ``--rounds`` alternates the
+worlds so a load that drifts affects both. On a shared machine only the CPU clock means
+anything; the wall ratio needs a quiet machine with a core per rank.
+
     python benchmarks/sequence_parallel.py                 # N=1024, hidden 256, 8 heads, 2 layers
     python benchmarks/sequence_parallel.py --seq 2048 --degrees 1,2 --json sp.json
+    python benchmarks/sequence_parallel.py --scaling --seq 4096 --steps 10 --rounds 2
+
+Training parity at 4 ranks (``--parity``): a tiny LLaMA (4 heads, 2 KV heads, fp32) trains
+3 SGD steps through ``initialize`` at SP=4 as Ulysses 4 (KV heads replicated), ring 4 and
+Ulysses 2 x ring 2 (``sequence_parallel_ring_size: 2``), each against one process on the same
+global batches (computed on rank 0); prints the largest loss and parameter differences.
+
+    python benchmarks/sequence_parallel.py --parity
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -203,6 +224,218 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     return results
 
 
+# ------------------------------------------------------------------ strong scaling
+def _llama(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 11 // 4,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=max(1, args.heads // 2),
+            max_position_embeddings=args.seq,
+            attn_implementation="sdpa",
+        )
+    )
+
+
+def _scaling_body(args: argparse.Namespace, mode: str, rank: int, device: Any) -> dict[str, Any]:
+    """One rank: ``args.warmup`` + ``args.steps`` training steps; per-step wall and CPU ms."""
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.sequence import shard_causal_lm_batch, shard_causal_lm_batch_ring
+
+    torch.set_num_threads(1)
+    p = dist.get_world_size()
+    cfg: dict[str, Any] = {
+        "train_batch_size": args.batch,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "sequence_parallel_size": p,
+    }
+    if p > 1:
+        cfg["sequence_parallel_mode"] = mode
+    engine, *_ = slipstream.initialize(model=_llama(args), config=cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    batch: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
+    if p > 1:
+        cut = shard_causal_lm_batch_ring if mode == "ring" else shard_causal_lm_batch
+        batch = cut(batch, p, rank)
+    wall, cpu, losses = [], [], []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = engine(**batch)
+        engine.backward(out.loss)
+        engine.step()
+        w1, c1 = time.perf_counter(), time.process_time()
+        losses.append(float(out.loss.detach()))
+        if step >= args.warmup:
+            wall.append((w1 - w0) * 1e3)
+            cpu.append((c1 - c0) * 1e3)
+    engine.destroy()
+    return {"wall_ms": wall, "cpu_ms": cpu, "losses": losses, "threads": torch.get_num_threads()}
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    """Median, 10th and 90th percentile."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return statistics.median(values), q[0], q[-1]
+
+
+def run_scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """Alternate the worlds (1 rank; 2 ranks Ulysses; 2 ranks ring) ``args.rounds`` times;
+    per configuration the step times of all rounds (wall: slowest rank of each step; CPU:
+    each rank's, pooled)."""
+    runs = [("single", 1), *((m, 2) for m in args.modes)]
+    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n, _ in runs}
+    loads = [os.getloadavg()[0]]
+    first_loss: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, p in runs:
+            cfg = BenchConfig(world=p, timeout_s=args.timeout)
+            outcome = spawn_world(f"scale-{name}", cfg, partial(_scaling_body, args, name))
+            if outcome.error:
+                raise RuntimeError(f"{name} P={p} failed: {outcome.error}\n{outcome.detail}")
+            recs = outcome.records
+            times[name]["wall"] += [max(w) for w in zip(*(r["wall_ms"] for r in recs))]
+            times[name]["cpu"] += [c for r in recs for c in r["cpu_ms"]]
+            first_loss[name] = recs[0]["losses"][0]
+            loads.append(os.getloadavg()[0])
+    return {"times": times, "loads": loads, "first_loss": first_loss}
+
+
+def scaling_report(args: argparse.Namespace, res: dict[str, Any]) -> str:
+    times, loads = res["times"], res["loads"]
+    out = [
+        f"strong scaling: LLaMA-shaped HF model (hidden {args.hidden}, {args.layers} layers, "
+        f"{args.heads} heads / {max(1, args.heads // 2)} KV, vocab {args.vocab}), fp32, batch "
+        f"{args.batch}, seq {args.seq}, SGD; one thread per rank; {args.steps} timed steps "
+        f"after {args.warmup} x {args.rounds} rounds; 1-min load average "
+        f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs",
+        "first-step loss (same model and tokens; equal up to fp32 summation order): "
+        + ", ".join(f"{k} {v:.5f}" for k, v in res["first_loss"].items()),
+    ]
+    head = ["run", "P", "wall ms median [p10-p90]", "cpu ms median [p10-p90]", "wall/P=1",
+            "cpu/P=1"]  # fmt: skip
+    base = {clock: _stats(times["single"][clock])[0] for clock in ("wall", "cpu")}
+    rows = []
+    for name, rec in times.items():
+        w, c = _stats(rec["wall"]), _stats(rec["cpu"])
+        rows.append([
+            name, "1" if name == "single" else "2",
+            f"{w[0]:.0f} [{w[1]:.0f}-{w[2]:.0f}]", f"{c[0]:.0f} [{c[1]:.0f}-{c[2]:.0f}]",
+            f"{w[0] / base['wall']:.2f}", f"{c[0] / base['cpu']:.2f}",
+        ])  # fmt: skip
+    out.append(_table(head, rows))
+    out.append("goal: SP=2 step time <= 0.60 x SP=1 (wall clock on a quiet machine)")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------ 4-rank parity
+PARITY_RUNS = {
+    "ulysses 4": ("ulysses", None),
+    "ring 4": ("ring", None),
+    "ulysses 2 x ring 2": ("ring", 2),
+}
+
+
+def _parity_body(rank: int, device: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slipstream
+    from slipstream.sequence import shard_causal_lm_batch, shard_causal_lm_batch_ring
+
+    torch.set_num_threads(1)
+    p, steps, batch, seq, lr = dist.get_world_size(), 3, 2, 32, 0.5
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=False, attn_implementation="sdpa",
+        ))  # fmt: skip
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 64, (steps, batch, seq), generator=g)
+    labels = data.clone()
+    labels[:, 0, :7] = -100  # the shards count different numbers of tokens
+    out: dict[str, Any] = {}
+    if rank == 0:  # the single-process reference
+        ref = model()
+        opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+        losses = []
+        for i in range(steps):
+            loss = ref(input_ids=data[i], labels=labels[i]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        out["reference"] = {"losses": losses}
+        ref_params = {n: q.detach() for n, q in ref.named_parameters()}
+    for name, (mode, ring) in PARITY_RUNS.items():
+        cfg: dict[str, Any] = {
+            "train_batch_size": batch,
+            "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
+            "sequence_parallel_size": p,
+            "sequence_parallel_mode": mode,
+            "gradient_clipping": 0.0,
+        }
+        if ring is not None:
+            cfg["sequence_parallel_ring_size"] = ring
+        engine, *_ = slipstream.initialize(model=model(), config=cfg)
+        losses = []
+        for i in range(steps):
+            full = {"input_ids": data[i], "labels": labels[i]}
+            if mode == "ring":
+                part = shard_causal_lm_batch_ring(full, p, rank, ring_size=ring or p)
+            else:
+                part = shard_causal_lm_batch(full, p, rank)
+            loss = engine(**part).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        if rank == 0:
+            diff = max(
+                (q.detach() - ref_params[n]).abs().max().item()
+                for n, q in engine.module.named_parameters()
+            )
+            attn = engine.module.config._attn_implementation
+            out[name] = {"losses": losses, "max_param_diff": diff, "attn": attn}
+        engine.destroy()
+    return out
+
+
+def run_parity(args: argparse.Namespace) -> str:
+    outcome = spawn_world("sp-parity4", BenchConfig(world=4, timeout_s=args.timeout), _parity_body)
+    if outcome.error:
+        raise RuntimeError(f"parity failed: {outcome.error}\n{outcome.detail}")
+    rec = outcome.records[0]
+    ref = rec["reference"]["losses"]
+    lines = [
+        "SP=4 on 4 gloo ranks vs one process: tiny LLaMA (4 heads, 2 KV heads), fp32, 3 SGD "
+        "steps (lr 0.5, momentum 0.9), batch 2 x 32 tokens",
+        f"reference losses: {', '.join(f'{x:.6f}' for x in ref)}",
+    ]
+    for name in PARITY_RUNS:
+        got = rec[name]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref))
+        lines.append(
+            f"{name:>20}: max loss rel diff {rel:.2e}, max param abs diff "
+            f"{got['max_param_diff']:.2e} (attention {got['attn']})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=1024, help="N of the fixed-N sweep and memory")
@@ -214,7 +447,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--degrees", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, help="write the raw per-rank records here")
+    p.add_argument("--scaling", action="store_true", help="strong scaling: SP=2 vs SP=1 time")
+    p.add_argument("--vocab", type=int, default=1024, help="--scaling: vocabulary size")
+    p.add_argument("--steps", type=int, default=8, help="--scaling: timed steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="--scaling: untimed steps per round")
+    p.add_argument("--rounds", type=int, default=1, help="--scaling: alternations of worlds")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["ulysses", "ring"])
+    p.add_argument("--parity", action="store_true", help="SP=4 training parity (4 ranks)")
     args = p.parse_args(argv)
+    if args.parity:
+        print(run_parity(args))
+        return
+    if args.scaling:
+        res = run_scaling(args)
+        print(scaling_report(args, res))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     results = run(args)
     print(report(args, results))
     if args.json:

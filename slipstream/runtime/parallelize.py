@@ -63,11 +63,13 @@ def parallelize_(model: nn.Module, cfg: SlipstreamConfig, mesh: DeviceMesh) -> N
             rng_tracker=rng_tracker,
         )
     if sp is not None:
-        ring_groups = None
+        ring_groups, local = None, None
         if cfg.sequence_parallel_mode == "ring":
             ring = cfg.sequence_parallel_ring_size or cfg.sequence_parallel_size
             ring_groups = sp_ring_groups(mesh, ring)
-        parallelize_sequence_(model, sp, ring_groups)
+        elif is_hf_attention_model(model):  # packed rows: a ring of one rank (hf.py)
+            local = sp_ring_groups(mesh, 1)[1]
+        parallelize_sequence_(model, sp, ring_groups, local)
     if (
         mesh["pp"].size() > 1
         or tp is not None

@@ -24,6 +24,13 @@ The attention mask: the registered name has no mask function, so transformers bu
 (no O(S^2) tensor) and attention is causal over the full sequence. A padding mask (zeros in
 ``attention_mask``) cannot be honoured this way and is refused; pad with ``labels = -100``
 instead, which the loss ignores.
+
+Packed rows (several documents per row, ``position_ids`` restarting at 0 per document): the
+pre-hook reads the position ids of the shard, and when any rank of the group sees a restart
+(one scalar all-reduce per forward that has position ids) the attention of that forward runs
+the exact blockwise kernel of :mod:`slipstream.sequence.ring` on a ring of one rank after the
+all-to-all (Ulysses x ring with ring size 1), masked to each token's own document: no
+cross-document attention and no ``[S, S]`` mask.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.sequence._autograd import all_to_all_dims
 from slipstream.sequence.loss import sequence_parallel_cross_entropy
+from slipstream.sequence.ring import doc_starts, usp_attention_heads_first
 
 __all__ = [
     "install_hf_ulysses_",
@@ -96,11 +104,57 @@ def _heads_error(model_name: str, heads: int, kv: int, p: int) -> str | None:
     return None
 
 
+class Packing:
+    """The document starts (:func:`~slipstream.sequence.ring.doc_starts`) of this rank's
+    tokens in the current forward; None when no row of the group packs documents."""
+
+    doc: torch.Tensor | None = None
+
+
+def _packed_attention(
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sp_group: comm.Group,
+    local_group: comm.Group,
+    doc: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Ulysses attention of packed rows: the blockwise kernel on a ring of one rank."""
+    name = type(module).__name__
+    if kwargs.get("dropout") and module.training:
+        raise ValueError(
+            f"sequence parallelism with packed documents: {name} has attention dropout "
+            f"{kwargs['dropout']}, which the document-masked kernel does not apply; set the "
+            "model config's attention_dropout to 0"
+        )
+    for key in ("sliding_window", "softcap"):
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"sequence parallelism with packed documents: {name} uses {key}="
+                f"{kwargs[key]}, which the document-masked kernel does not apply; disable "
+                "it in the model config or do not pack documents"
+            )
+    s = q.shape[2] * comm.get_world_size(sp_group)
+    if s % 2:
+        raise ValueError(
+            f"sequence parallelism with packed documents: the sequence has {s} tokens; the "
+            "document-masked kernel needs an even length. Pad the rows (labels = -100)"
+        )
+    out = usp_attention_heads_first(
+        q, k, v, sp_group, local_group, causal=True, scale=kwargs.get("scaling"), doc_start=doc
+    )
+    return out.transpose(1, 2), None
+
+
 def ulysses_hf_attention(
     core: Callable[..., tuple[torch.Tensor, Any]],
     sp_group: comm.Group,
     *,
     core_name: str = "sdpa",
+    packing: Packing | None = None,
+    local_group: comm.Group | None = None,
 ) -> Callable[..., tuple[torch.Tensor, Any]]:
     """A transformers attention function running ``core`` under Ulysses over ``sp_group``.
 
@@ -109,7 +163,9 @@ def ulysses_hf_attention(
     ``key``/``value`` ``[B, kv, S/P, D]`` of this rank's shard. ``core`` is the model's own
     function (``ALL_ATTENTION_FUNCTIONS["sdpa"]``, the eager one, ...); it sees
     ``[B, H/P, S, D]`` queries and no mask (causal over the full sequence; for ``eager``,
-    which applies only the mask it is given, a full causal mask is built).
+    which applies only the mask it is given, a full causal mask is built). When
+    ``packing.doc`` is set (packed rows), the document-masked blockwise kernel runs instead,
+    on ``local_group`` (a group of this rank alone) as its ring.
     """
 
     def attention(
@@ -133,6 +189,10 @@ def ulysses_hf_attention(
                 f"(sliding_window={window}) and the sequence has {local * p} tokens; the "
                 "Ulysses attention is causal over the whole sequence. Use sequences of at most "
                 "sliding_window tokens or disable the window in the model config"
+            )
+        if packing is not None and packing.doc is not None and local_group is not None:
+            return _packed_attention(
+                module, query, key, value, sp_group, local_group, packing.doc, kwargs
             )
         if kv < p:  # one KV head per rank: replicate so each rank gets the head it uses
             key = key.repeat_interleave(p // kv, dim=1)
@@ -196,7 +256,7 @@ def _sp_loss(sp_group: comm.Group) -> Callable[..., torch.Tensor]:
     return loss_function
 
 
-def _positions_hook(sp_group: comm.Group) -> Callable[..., Any]:
+def _positions_hook(sp_group: comm.Group, packing: Packing | None = None) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mask = kwargs.get("attention_mask")
         if mask is not None:
@@ -208,19 +268,35 @@ def _positions_hook(sp_group: comm.Group) -> Callable[..., Any]:
                     "full sequence)"
                 )
             kwargs["attention_mask"] = None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
         if kwargs.get("position_ids") is None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None:
-                ids = kwargs.get("inputs_embeds")
             if ids is not None:
                 local = ids.shape[1]
                 start = comm.get_rank(sp_group) * local
                 pos = torch.arange(start, start + local, device=ids.device)
                 kwargs["position_ids"] = pos.unsqueeze(0).expand(ids.shape[0], -1)
+            if packing is not None:
+                packing.doc = None
+        elif packing is not None and ids is not None:
+            _read_packing(kwargs["position_ids"], ids.shape[0], sp_group, packing)
         kwargs.setdefault("use_cache", False)
         return args, kwargs
 
     return hook
+
+
+def _read_packing(pos: torch.Tensor, batch: int, sp_group: comm.Group, packing: Packing) -> None:
+    """Set ``packing.doc`` (``[B, S/P]``) from this shard's position ids when any rank of
+    ``sp_group`` sees a document restart (position ids not ``start .. start + S/P - 1``)."""
+    local = pos.shape[-1]
+    start = comm.get_rank(sp_group) * local
+    index = torch.arange(start, start + local, device=pos.device)
+    doc = doc_starts(pos.reshape(-1, local), index).expand(batch, -1)
+    packed = torch.tensor([float(bool((doc != 0).any()))], device=pos.device)
+    comm.all_reduce(packed, group=sp_group, label="sp.packed")
+    packing.doc = doc if bool(packed.item()) else None
 
 
 def _check_causal_lm(model: nn.Module) -> None:
@@ -237,14 +313,19 @@ def _check_causal_lm(model: nn.Module) -> None:
         )
 
 
-def install_hf_ulysses_(model: nn.Module, sp_group: comm.Group) -> str:
+def install_hf_ulysses_(
+    model: nn.Module, sp_group: comm.Group, local_group: comm.Group | None = None
+) -> str:
     """Make a transformers causal LM train on sequence shards over ``sp_group``, in place.
 
     Registers a Ulysses attention function wrapping the model's current one under a new name
     (``AttentionInterface.register``) and sets ``model.config._attn_implementation`` to it,
     sets ``model.loss_function`` to the global token mean over the shards, and adds a forward
     pre-hook that supplies global ``position_ids`` and refuses padding masks.
-    ``slipstream.initialize`` calls this when ``sequence_parallel_size > 1``.
+    ``slipstream.initialize`` calls this when ``sequence_parallel_size > 1``. With
+    ``local_group`` (a group of this rank alone, e.g. the ring group of
+    ``slipstream.distributed.mesh.sp_ring_groups(mesh, 1)``) packed rows attend within their
+    documents (see the module docs); without it position ids are taken as they are.
 
     When the model's implementation is already routed through Ulysses (DeepSpeed's
     ``UlyssesSPAttentionHF.register_with_transformers``), nothing is changed.
@@ -284,10 +365,14 @@ def install_hf_ulysses_(model: nn.Module, sp_group: comm.Group) -> str:
     else:
         core = ALL_ATTENTION_FUNCTIONS[core_name]
     name = f"slipstream_ulysses_{core_name}_{next(_NAMES)}"
-    AttentionInterface.register(name, ulysses_hf_attention(core, sp_group, core_name=core_name))
+    packing = Packing() if local_group is not None else None
+    fn = ulysses_hf_attention(
+        core, sp_group, core_name=core_name, packing=packing, local_group=local_group
+    )
+    AttentionInterface.register(name, fn)
     config._attn_implementation = name
     model.loss_function = _sp_loss(sp_group)  # type: ignore[assignment]
-    model.register_forward_pre_hook(_positions_hook(sp_group), with_kwargs=True)
+    model.register_forward_pre_hook(_positions_hook(sp_group, packing), with_kwargs=True)
     return name
 
 

@@ -74,7 +74,10 @@ RingGroups = tuple[comm.Group, comm.Group]
 
 
 def parallelize_sequence_(
-    model: nn.Module, sp_group: comm.Group, ring_groups: RingGroups | None = None
+    model: nn.Module,
+    sp_group: comm.Group,
+    ring_groups: RingGroups | None = None,
+    local_group: comm.Group | None = None,
 ) -> nn.Module:
     """Make ``model`` run on sequence segments sharded over ``sp_group``, in place.
 
@@ -86,6 +89,9 @@ def parallelize_sequence_(
     ``ring_groups``: ``(ulysses, ring)`` groups for ring attention (``sequence_parallel_mode:
     "ring"``; ``slipstream.distributed.mesh.sp_ring_groups``): a Hugging Face model gets ring
     (or Ulysses x ring) attention instead of Ulysses, a plan must use ring attention.
+    ``local_group``: a group of this rank alone, with which a Hugging Face model under
+    Ulysses attends within each document of packed rows
+    (:func:`~slipstream.sequence.hf.install_hf_ulysses_`).
 
     Raises:
         ValueError: no submodule takes part while the group has more than one rank (the model
@@ -122,7 +128,7 @@ def parallelize_sequence_(
         if ring_groups is not None:
             install_hf_ring_(model, sp_group, *ring_groups)
         else:
-            install_hf_ulysses_(model, sp_group)
+            install_hf_ulysses_(model, sp_group, local_group)
         bound += 1
     if bound == 0 and comm.get_world_size(sp_group) > 1:
         raise ValueError(

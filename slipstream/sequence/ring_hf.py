@@ -123,7 +123,7 @@ def _pre_hook(
             pos = index.unsqueeze(0).expand(ids.shape[0], -1)
             kwargs["position_ids"] = pos
         doc = doc_starts(pos, index)
-        packed = torch.tensor([float(bool((doc != 0).any()))])
+        packed = torch.tensor([float(bool((doc != 0).any()))], device=ids.device)
         comm.all_reduce(packed, group=sp_group, label="sp.ring_packed")
         packing.doc = doc if bool(packed.item()) else None
         kwargs.setdefault("use_cache", False)

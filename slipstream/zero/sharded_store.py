@@ -346,9 +346,11 @@ class ShardedStore:
             ]
             for t in tensors:
                 t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        recompute = _in_backward()
         for u in unit.uses:
             self.units[u].active -= 1
-            self.release(self.units[u])
+            if not recompute:
+                self.release(self.units[u])
 
     def _pre_backward(self, unit: Unit) -> None:
         self._prefetch_after("bwd", unit)
@@ -393,9 +395,11 @@ class ShardedStore:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, held=held: self._gather_for_backward(held))
+        recompute = _in_backward()
         for unit in held:
             unit.active -= 1
-            self.release(unit)
+            if not recompute:
+                self.release(unit)
 
     def _gather_for_backward(self, units: list[Unit]) -> None:
         for unit in units:
@@ -460,6 +464,15 @@ class ShardedStore:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _in_backward() -> bool:
+    """A forward running inside a backward pass: an activation-checkpoint recompute (HF's
+    non-reentrant ``torch.utils.checkpoint`` recomputes a layer when its saved tensors are
+    first unpacked). Its saved tensors are views of the gathered storage that the layer's
+    backward reads next, so the unit stays gathered until its gradients are reduced
+    (``on_bucket_ready``) instead of being released when the recomputed forward returns."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _warn_released(module: nn.Module, prefix: str, keep_vars: bool) -> None:
