@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 __all__ = ["RepeatingLoader", "ResumableDataLoader", "build_dataloader"]
@@ -97,15 +96,15 @@ def build_dataloader(
         seed=seed,
         drop_last=drop_last,
     )
-    # Its own generator: starting an iteration draws a worker base seed, which must not
-    # consume the global RNG (dropout masks would then depend on when an epoch began).
+    # No generator of its own, as DeepSpeed's loader: each pass draws its worker base seed
+    # from the global RNG when its first batch is fetched. Dropout masks and MoE gate noise
+    # after that point then follow DeepSpeed's on the same seed.
     loader = DataLoader(
         dataset,
         batch_size=micro_batch,
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=drop_last,
-        generator=torch.Generator().manual_seed(seed),
     )
     return ResumableDataLoader(loader, sampler, micro_batch)
 
