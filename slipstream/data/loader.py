@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 __all__ = ["RepeatingLoader", "ResumableDataLoader", "build_dataloader"]
@@ -52,7 +53,15 @@ class ResumableDataLoader:
         self._resume, self._resume_epoch = 0, None
         self.batches = resume
         self.sampler.skip = resume * self.micro_batch
-        for batch in self.loader:
+        if resume:
+            # A resumed epoch: its seed was drawn when it began, before the checkpoint whose
+            # RNG state was restored; draw none again.
+            state = torch.get_rng_state()
+            batches = iter(self.loader)
+            torch.set_rng_state(state)
+        else:
+            batches = iter(self.loader)
+        for batch in batches:
             self.batches += 1
             yield batch
         self.batches = 0  # a finished pass: iterating again starts the epoch over
