@@ -144,7 +144,7 @@ def plan_units(
         by_key: dict[tuple[int, torch.dtype, str], list[nn.Parameter]] = {}
         expert: dict[str, ExpertGroups] = {}
         for p in mine:
-            g = expert_of(p, experts)
+            g = expert_of(p, experts) if experts is not None else None
             name = "" if g is None else p.group_name  # type: ignore[attr-defined]
             if g is not None:
                 expert[name] = g
