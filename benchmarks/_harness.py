@@ -91,6 +91,11 @@ class BenchConfig:
     bucket: int = 6_553_600
     """Gradient bucket in elements for every peer: DDP's ``bucket_cap_mb`` (25 MiB of fp32 by
     default), DeepSpeed's and slipstream's ``reduce_bucket_size``."""
+    clock: str = "wall"
+    """How a step is timed: "wall" (``perf_counter``) or "cpu" (the rank process's CPU time,
+    all its threads: far less disturbed by other processes on a loaded machine)."""
+    threads: int = 0
+    """Torch threads per rank; 0 gives ``cores // world``."""
 
     def __post_init__(self) -> None:
         for name in ("world", "batch", "seq", "steps", "vocab_size"):
@@ -100,6 +105,13 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.warmup={self.warmup} must be >= 0")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"BenchConfig.device={self.device!r} must be 'cpu' or 'cuda'")
+        if self.clock not in ("wall", "cpu"):
+            raise ValueError(f"BenchConfig.clock={self.clock!r} must be 'wall' or 'cpu'")
+
+    @property
+    def rank_threads(self) -> int:
+        """Torch threads of each rank."""
+        return self.threads or max(1, _cpu_count() // self.world)
 
     @property
     def tokens_per_step(self) -> int:
@@ -313,7 +325,7 @@ def spawn_world(
     """
     out_dir = Path(tempfile.mkdtemp(prefix=f"slipstream-bench-{name}-"))
     args = (body, cfg, str(out_dir), _free_port())
-    threads = max(1, _cpu_count() // cfg.world)
+    threads = cfg.rank_threads
     ctx = None
     try:
         with _env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
@@ -397,7 +409,7 @@ def _init_rank(rank: int, cfg: BenchConfig, port: int) -> torch.device:
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(cfg.world),
     )
-    torch.set_num_threads(max(1, _cpu_count() // cfg.world))
+    torch.set_num_threads(cfg.rank_threads)
     device = torch.device(cfg.device, rank) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -436,7 +448,7 @@ def _train_rank(
     times = []
     for _ in range(cfg.steps):
         dist.barrier()
-        loss, seconds = _step(trainer, input_ids, labels, device)
+        loss, seconds = _step(trainer, input_ids, labels, device, cfg.clock)
         losses.append(loss)
         times.append(seconds * 1e3)
     peak = memory.peak_bytes()
@@ -495,13 +507,18 @@ def warm_imports(model_factory: Callable[[], nn.Module]) -> None:
 
 
 def _step(
-    trainer: Trainer, input_ids: torch.Tensor, labels: torch.Tensor, device: torch.device
+    trainer: Trainer,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    device: torch.device,
+    clock: str = "wall",
 ) -> tuple[float, float]:
-    start = time.perf_counter()
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    start = now()
     loss = trainer.step(input_ids, labels).item()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return loss, time.perf_counter() - start
+    return loss, now() - start
 
 
 def token_batch(

@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/moe.py [--world 2] [--hidden 128] [--layers 4] [--experts 8] [--k 2]
         [--batch 4] [--seq 128] [--steps 10] [--warmup 3] [--repeats 3]
-        [--rows ds-cap-ep2,ss-cap-ep2,...] [--json out.json]
+        [--rows ds-cap-ep2,ss-cap-ep2,...] [--clock wall|cpu] [--threads N] [--json out.json]
 
 The model is the reference GPT with ``GPTConfig(moe=...)``: every 2nd block's SwiGLU MLP is
 an MoE layer of ``--experts`` copies of it, top-``k`` gating. Rows (``ep`` = ``ep_size``):
@@ -279,6 +279,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default=DEFAULT_ROWS)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: auto)")
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 
@@ -291,7 +293,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     shape = Shape(args.hidden, args.layers, args.experts, args.k, args.seq)
     cfg = BenchConfig(
-        world=args.world, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup
+        world=args.world,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        warmup=args.warmup,
+        clock=args.clock,
+        threads=args.threads,
     )
     load_before = os.getloadavg()
     results = run(rows, cfg, shape, args.repeats)
@@ -299,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"MoE step benchmark: world={cfg.world} hidden={shape.hidden} layers={shape.layers} "
         f"experts={shape.experts} k={shape.k} batch={cfg.batch}x{cfg.seq} steps={cfg.steps} "
-        f"repeats={args.repeats}; load average before {load_before[0]:.1f}, after "
+        f"repeats={args.repeats} clock={cfg.clock} threads/rank={cfg.rank_threads}; "
+        f"load average before {load_before[0]:.1f}, after "
         f"{load_after[0]:.1f} on {os.cpu_count()} CPUs"
     )
     print(format_table(results, shape, cfg))

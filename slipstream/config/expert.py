@@ -1,11 +1,12 @@
 """``expert_parallel``: DeepSpeed 0.19.8's AutoEP block (its keys and defaults).
 
 With ``enabled`` true, ``slipstream.initialize`` converts each Hugging Face MoE block of the
-model (Mixtral, Qwen3-MoE / Qwen2-MoE, DeepSeek-V2, DeepSeek-V3) to expert-parallel grouped
-experts over ``autoep_size`` ranks (:mod:`slipstream.moe.autoep`). Keys that only choose a
-kernel or an implementation detail in DeepSpeed (``use_grouped_mm``, ``combine_impl``,
-``gate_up_impl``, the ``comm_*`` budgets) are accepted and leave the results unchanged; keys
-that would change what is computed and that slipstream does not build are refused by name.
+model (Mixtral, Qwen3-MoE / Qwen2-MoE, Qwen3.5-MoE, DeepSeek-V2, DeepSeek-V3, MiniMax-M3)
+to expert-parallel grouped experts over ``autoep_size`` ranks (:mod:`slipstream.moe.autoep`).
+Keys that only choose a kernel or an implementation detail in DeepSpeed (``use_grouped_mm``,
+``combine_impl``, ``gate_up_impl``, the ``comm_*`` budgets) are accepted and leave the
+results unchanged; keys that would change what is computed and that slipstream does not
+build are refused by name.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from slipstream.config._errors import ConfigError
 
 __all__ = ["AUTOEP_PRESETS", "ExpertParallelConfig"]
 
-AUTOEP_PRESETS = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
-"""The presets slipstream converts (DeepSpeed 0.19.8 also has qwen3_5_moe and minimax_m3)."""
-
-_DS_ONLY_PRESETS = ("qwen3_5_moe", "minimax_m3")
+AUTOEP_PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3")
+"""The presets slipstream converts: DeepSpeed 0.19.8's."""
 
 
 class ExpertParallelConfig(StrictModel):
@@ -38,7 +37,7 @@ class ExpertParallelConfig(StrictModel):
     async_split_plan: bool = False
     """How DeepSpeed computes its split plan; no effect on results here."""
     preset_model: str | None = None
-    """mixtral, qwen3_moe, deepseek_v2 or deepseek_v3; None detects it from the model."""
+    """One of ``AUTOEP_PRESETS``; None detects it from the model's ``model_type``."""
     moe_layer_pattern: str | None = None
     """Regex (full match) over module names selecting the MoE blocks."""
     expert_pattern: str | None = None
@@ -93,12 +92,6 @@ class ExpertParallelConfig(StrictModel):
         if not self.enabled:
             return self
         p = self.preset_model
-        if p in _DS_ONLY_PRESETS:
-            raise ConfigError(
-                f"config key 'expert_parallel.preset_model' = {p!r} is not supported by "
-                f"slipstream's AutoEP: use one of {list(AUTOEP_PRESETS)}, or build the model "
-                "with slipstream.moe layers"
-            )
         if p is not None and p not in AUTOEP_PRESETS:
             raise ConfigError(
                 f"config key 'expert_parallel.preset_model' = {p!r}: unknown preset; "
@@ -124,11 +117,11 @@ class ExpertParallelConfig(StrictModel):
                 "config key 'expert_parallel.gate_up_impl' = 'fused' needs use_grouped_mm "
                 "true: set use_grouped_mm to true or leave gate_up_impl 'separate'"
             )
-        if self.expert_activation not in (None, "swiglu"):
+        if self.expert_activation not in (None, "swiglu", "swiglu_oai"):
             raise ConfigError(
                 f"config key 'expert_parallel.expert_activation' = {self.expert_activation!r}: "
-                "slipstream's AutoEP runs the model's own gated activation (swiglu); leave it "
-                "unset or 'swiglu'"
+                "slipstream's AutoEP runs the model's own gated activation ('swiglu', or "
+                "MiniMax-M3's clamped 'swiglu_oai'); leave it unset or name the model's"
             )
         if (
             self.num_limited_groups is not None

@@ -53,7 +53,15 @@ class ResumableDataLoader:
         self._resume, self._resume_epoch = 0, None
         self.batches = resume
         self.sampler.skip = resume * self.micro_batch
-        for batch in self.loader:
+        if resume:
+            # A resumed epoch: its seed was drawn when it began, before the checkpoint whose
+            # RNG state was restored; draw none again.
+            state = torch.get_rng_state()
+            batches = iter(self.loader)
+            torch.set_rng_state(state)
+        else:
+            batches = iter(self.loader)
+        for batch in batches:
             self.batches += 1
             yield batch
         self.batches = 0  # a finished pass: iterating again starts the epoch over
@@ -97,15 +105,15 @@ def build_dataloader(
         seed=seed,
         drop_last=drop_last,
     )
-    # Its own generator: starting an iteration draws a worker base seed, which must not
-    # consume the global RNG (dropout masks would then depend on when an epoch began).
+    # No generator of its own, as DeepSpeed's loader: each pass draws its worker base seed
+    # from the global RNG when its first batch is fetched. Dropout masks and MoE gate noise
+    # after that point then follow DeepSpeed's on the same seed.
     loader = DataLoader(
         dataset,
         batch_size=micro_batch,
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=drop_last,
-        generator=torch.Generator().manual_seed(seed),
     )
     return ResumableDataLoader(loader, sampler, micro_batch)
 

@@ -4,12 +4,13 @@
 Transformers 5 stores a block's routed experts as two stacked tensors,
 ``gate_up_proj [experts, 2 * ffn, hidden]`` and ``down_proj [experts, hidden, ffn]``, in an
 experts module called as ``experts(hidden [tokens, hidden], top_k_index, top_k_weights)``
-(Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2, DeepSeek-V3). :func:`convert_hf_moe_` replaces
-that module with :class:`AutoEPExperts`, which keeps the same call, the same parameter names
-and this rank's ``experts / autoep_size`` slice of the weights, and runs them with
-slipstream's dispatch: sort the (token, choice) pairs by expert, exchange the counts, an
-uneven all-to-all over the expert-parallel group, one grouped GEMM per projection, and the
-weighted combine in fp32.
+(Mixtral, Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE, DeepSeek-V2, DeepSeek-V3, MiniMax-M3).
+:func:`convert_hf_moe_` replaces that module with :class:`AutoEPExperts`, which keeps the
+same call, the same parameter names and this rank's ``experts / autoep_size`` slice of the
+weights, and runs them with slipstream's dispatch: sort the (token, choice) pairs by expert,
+exchange the counts, an uneven all-to-all over the expert-parallel group, one grouped GEMM
+per projection (with the model's gated activation between them: SwiGLU, or MiniMax-M3's
+clamped form), and the weighted combine in fp32.
 
 The block's own router, shared experts and forward are kept, so the converted model computes
 what the original does (the order of the per-token sum of the k expert outputs aside). When the
@@ -66,6 +67,10 @@ PRESETS: dict[str, Preset] = {
         _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "num_experts",
         "num_experts_per_tok", "softmax", True, ("qwen3_moe", "qwen2_moe"),
     ),
+    "qwen3_5_moe": Preset(
+        _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "num_experts",
+        "num_experts_per_tok", "softmax", True, ("qwen3_5_moe_text",),
+    ),
     "deepseek_v2": Preset(
         _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "n_routed_experts",
         "num_experts_per_tok", "softmax", False, ("deepseek_v2",),
@@ -74,7 +79,16 @@ PRESETS: dict[str, Preset] = {
         _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "n_routed_experts",
         "num_experts_per_tok", "sigmoid", False, ("deepseek_v3",),
     ),
+    "minimax_m3": Preset(
+        _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "num_local_experts",
+        "num_experts_per_tok", "sigmoid", True, ("minimax_m3_vl_text",),
+    ),
 }  # fmt: skip
+_COMPOSITE = {
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "minimax_m3_vl": "minimax_m3_vl_text",
+}
+"""Vision-language model types whose text backbone AutoEP converts (as DeepSpeed's presets)."""
 assert tuple(PRESETS) == AUTOEP_PRESETS
 
 
@@ -95,6 +109,7 @@ class AutoEPExperts(nn.Module):
         ep_size: int,
         ep_rank: int,
         names: tuple[str, str] = ("gate_up_proj", "down_proj"),
+        clamp: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         local = num_experts // ep_size
@@ -108,6 +123,8 @@ class AutoEPExperts(nn.Module):
         self.register_parameter(names[0], nn.Parameter(gate_up.detach()[sl].clone()))
         self.register_parameter(names[1], nn.Parameter(down.detach()[sl].clone()))
         self.act_fn = act_fn
+        self.clamp = clamp
+        """``(alpha, limit)`` of MiniMax-M3's clamped SwiGLU (GPT-OSS's form), else None."""
         self.ep_group: comm.Group = None
         self.stats: RoutingStats | None = None
         mark_expert_params(self, self.expert_group_name)
@@ -125,7 +142,13 @@ class AutoEPExperts(nn.Module):
         gate_up: Tensor = getattr(self, self.names[0])
         down: Tensor = getattr(self, self.names[1])
         gate, up = grouped_mm(rows, gate_up.transpose(1, 2), c).chunk(2, dim=-1)
-        return grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), c)
+        if self.clamp is None:
+            h = self.act_fn(gate) * up
+        else:  # (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=l)
+            alpha, limit = self.clamp
+            gate = gate.clamp(max=limit)
+            h = (up.clamp(-limit, limit) + 1.0) * gate * torch.sigmoid(gate * alpha)
+        return grouped_mm(h, down.transpose(1, 2), c)
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         if self.ep_size > 1 and comm.get_world_size(self.ep_group) != self.ep_size:
@@ -202,6 +225,12 @@ def detect_preset(model: nn.Module) -> str:
     for name, preset in PRESETS.items():
         if model_type in preset.model_types:
             return name
+    if model_type in _COMPOSITE:
+        raise ConfigError(
+            f"expert_parallel: model_type {model_type!r} is a vision-language model; AutoEP "
+            f"converts its text backbone: pass the model with model_type "
+            f"{_COMPOSITE[model_type]!r} (its language model), as DeepSpeed's preset requires"
+        )
     raise ConfigError(
         f"config key 'expert_parallel.preset_model' is not set and model_type {model_type!r} "
         f"has no AutoEP preset: set preset_model to one of {list(PRESETS)} (or give "
@@ -310,7 +339,10 @@ def convert_hf_moe_(model: nn.Module, ep: ExpertParallelConfig, ep_rank: int) ->
                 f"num_experts={num_experts} of layer {name!r}: use a divisor of {num_experts}"
             )
         act = getattr(hf_experts, "act_fn", F.silu)
-        new = AutoEPExperts(gate_up, down, act, num_experts, ep.autoep_size, ep_rank, (w1, w2))
+        clamp = _clamped_swiglu(hf_experts, ep, name)
+        new = AutoEPExperts(
+            gate_up, down, act, num_experts, ep.autoep_size, ep_rank, (w1, w2), clamp
+        )
         replaced[id(gate_up)] = (gate_up, getattr(new, w1))
         replaced[id(down)] = (down, getattr(new, w2))
         setattr(block, experts_name, new)
@@ -331,6 +363,27 @@ def convert_hf_moe_(model: nn.Module, ep: ExpertParallelConfig, ep_rank: int) ->
             replaced[id(router.weight)] = (router.weight, new_router.weight)
             setattr(block, router_name, new_router)
     return replaced
+
+
+def _clamped_swiglu(
+    hf_experts: nn.Module, ep: ExpertParallelConfig, name: str
+) -> tuple[float, float] | None:
+    """MiniMax-M3's experts compute GPT-OSS's clamped SwiGLU (``swiglu_alpha`` and
+    ``swiglu_limit`` on the experts module); every other preset's the plain one. An
+    ``expert_activation`` that names the other form is refused: the model computes its own."""
+    alpha, limit = (
+        getattr(hf_experts, "swiglu_alpha", None),
+        getattr(hf_experts, "swiglu_limit", None),
+    )
+    clamp = None if alpha is None or limit is None else (float(alpha), float(limit))
+    have = "swiglu" if clamp is None else "swiglu_oai"
+    if ep.expert_activation is not None and ep.expert_activation != have:
+        raise ConfigError(
+            f"config key 'expert_parallel.expert_activation' = {ep.expert_activation!r}, but "
+            f"the experts of {name!r} compute {have!r}: slipstream's AutoEP runs the model's "
+            f"own activation; leave expert_activation unset or set it to {have!r}"
+        )
+    return clamp
 
 
 def new_param(replaced: Replaced, p: Any) -> Any:

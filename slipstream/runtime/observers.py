@@ -12,7 +12,8 @@ The list's order is the order of the step line's parts and of the per-step work:
 2. the memory breakdown (``memory_breakdown``): memory at each phase's end;
 3. the wall-clock timers (``wall_clock_breakdown``): milliseconds per phase;
 4. DeepSpeed's throughput timer (``engine.tput_timer``);
-5. the engine's monitor events (loss, lr, loss scale to ``engine.monitor``);
+5. the engine's monitor events (loss, lr, loss scale to ``engine.monitor``), and with MoE
+   layers their routing statistics;
 6. the step line itself (``steps_per_print``), which asks every observer for its part;
 7. the comms logger (``comms_logger``): the communication summary after each step line and at
    the end.
@@ -33,6 +34,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
 from slipstream.distributed.timeouts import set_device_sync
+from slipstream.moe import moe_layers
 from slipstream.runtime._deepspeed_engine import ThroughputTimer
 from slipstream.runtime._observer import EngineObserver
 from slipstream.runtime.memory_report import MemoryBreakdown
@@ -42,6 +44,7 @@ from slipstream.runtime.timers import StepTimers
 __all__ = [
     "CommsLogger",
     "EngineObserver",
+    "RoutingEvents",
     "StepPrinter",
     "TrainingEvents",
     "build_observers",
@@ -95,6 +98,55 @@ class TrainingEvents(EngineObserver):
 
     def close(self, engine: Any) -> None:
         engine.monitor.close()
+
+
+class RoutingEvents(EngineObserver):
+    """MoE routing statistics to ``engine.monitor`` at ``global_samples`` after each step, per
+    MoE layer ``i`` (module order), over this rank's micro-batches of the accumulation window
+    (rank 0's are the ones written, as every monitor writes on rank 0 only):
+
+    - ``Train/Samples/moe/<i>/expert<e>_tokens``: choices routed to expert ``e``, before
+      capacity dropping;
+    - ``Train/Samples/moe/<i>/dropped_fraction``: dropped choices / routed choices;
+    - ``Train/Samples/moe/<i>/imbalance``: the busiest expert's routed load over the mean.
+
+    The counts of a micro-batch are those of the layer's last forward before ``backward``.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        self._routed: dict[int, torch.Tensor] = {}
+        self._kept: dict[int, torch.Tensor] = {}
+
+    def on_loss(self, engine: Any, loss: torch.Tensor) -> None:
+        if not engine.monitor.active:
+            return
+        for i, layer in enumerate(self.layers):
+            stats = getattr(layer, "stats", None)
+            if stats is None:
+                continue
+            routed = stats.tokens_per_expert.to(torch.float64)
+            kept = stats.kept_per_expert.to(torch.float64)
+            if i in self._routed:
+                routed, kept = routed + self._routed[i], kept + self._kept[i]
+            self._routed[i], self._kept[i] = routed, kept
+
+    def on_step(self, engine: Any) -> None:
+        if not engine.monitor.active or not self._routed:
+            return
+        step = engine.global_samples
+        events: list[tuple[str, Any, int]] = []
+        for i, routed in self._routed.items():
+            total = float(routed.sum())
+            mean = total / max(routed.numel(), 1)
+            prefix = f"Train/Samples/moe/{i}/"
+            for e, n in enumerate(routed.tolist()):
+                events.append((f"{prefix}expert{e}_tokens", n, step))
+            dropped = 1.0 - float(self._kept[i].sum()) / total if total else 0.0
+            events.append((f"{prefix}dropped_fraction", dropped, step))
+            events.append((f"{prefix}imbalance", float(routed.max()) / mean if mean else 1.0, step))
+        self._routed, self._kept = {}, {}
+        engine.monitor.write_events(events)
 
 
 class StepPrinter(EngineObserver):
@@ -172,6 +224,9 @@ def build_observers(
     if config.wall_clock_breakdown:
         observers.append(StepTimers(device))
     observers += [throughput, TrainingEvents()]
+    layers = moe_layers(module)
+    if layers:
+        observers.append(RoutingEvents(layers))
     if config.steps_per_print:
         observers.append(StepPrinter(observers))
     comm.comm_counters.verbose = config.comms_logger.verbose

@@ -36,6 +36,7 @@ __all__ = [
     "ParamStore",
     "Waitable",
     "build_buckets",
+    "expert_of",
     "make_bucket",
 ]
 
@@ -177,7 +178,7 @@ def build_buckets(
     for gi, params in enumerate(groups):
         dense = []
         for p in params:
-            g = _expert_of(p, experts)
+            g = expert_of(p, experts)
             if g is None:
                 dense.append(p)
             else:
@@ -195,7 +196,7 @@ def build_buckets(
     return buckets
 
 
-def _expert_of(p: nn.Parameter, experts: dict[str, ExpertGroups] | None) -> ExpertGroups | None:
+def expert_of(p: nn.Parameter, experts: dict[str, ExpertGroups] | None) -> ExpertGroups | None:
     """The expert groups of an expert parameter with ``ep_size`` > 1, else None."""
     if getattr(p, "allreduce", True) is not False:
         return None

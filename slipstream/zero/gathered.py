@@ -149,15 +149,24 @@ def GatheredParameters(
 def _keep_edits(store: ShardedStore, unit: Unit, modifier_dp_rank: int) -> None:
     """End of a ``GatheredParameters(modifier_rank=...)`` block: broadcast the modifier's
     values of ``unit`` and keep them in every rank's shards (and masters)."""
+    edp_ranks: list[int] | None = None
     for b in unit.buckets:
         bucket = store.buckets[b]
         for p, view in zip(bucket.params, bucket.views):
             _adopt(p, view)
-        if store.dp_size > 1:
-            src = comm.global_rank(store.group, modifier_dp_rank)
-            comm.broadcast(bucket.flat, src=src, group=store.group, label="gathered_params")
+        group, src_rank = store.group, modifier_dp_rank
+        if bucket.expert is not None:
+            # MoE experts: each expert-data-parallel group takes the values from its member
+            # in the modifier's place (the other groups hold other experts).
+            group = bucket.expert.edp_group
+            if edp_ranks is None:
+                edp_ranks = comm.all_gather_object(comm.get_rank(group), group=store.group)
+            src_rank = edp_ranks[modifier_dp_rank]
+        if comm.get_world_size(group) > 1:
+            src = comm.global_rank(group, src_rank)
+            comm.broadcast(bucket.flat, src=src, group=group, label="gathered_params")
         shard = store.shards[b]
-        shard.copy_(bucket.flat[bucket.shard_slice(store.dp_rank)])
+        shard.copy_(bucket.flat[bucket.shard_slice(comm.get_rank(group))])
         masters = store.masters
         if masters is not None and masters[b] is not shard:
             if masters[b].numel() != shard.numel():

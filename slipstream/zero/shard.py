@@ -22,7 +22,7 @@ from slipstream.distributed import comm
 from slipstream.distributed.expert import ExpertGroups
 from slipstream.distributed.topology import NodeTopology, build_node_topology
 from slipstream.precision import PrecisionPolicy
-from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets
+from slipstream.zero.flat import Bucket, FlatStore, ParamStore, build_buckets, expert_of
 from slipstream.zero.init import is_partitioned_model, partition_ordinary_, unpartition_
 from slipstream.zero.optimizer import ZeroOptimizer
 from slipstream.zero.param import is_zero_param
@@ -72,7 +72,7 @@ def shard_zero_(
         experts: MoE expert-parallel groups by expert group name (from
             ``slipstream.moe.expert_parallel_``): expert parameters of an ``ep_size`` > 1
             are bucketed apart, broadcast, reduced and sharded over their
-            expert-data-parallel group (stages 0-2).
+            expert-data-parallel group (stages 0-3).
     Communication: stage 0/1 one all-reduce of all gradients per optimizer step; stage 2
     one reduce-scatter per micro-step; stage 1/2 one all-gather of the parameters per step;
     stage 3 an all-gather per unit in forward and in backward, a reduce-scatter per bucket.
@@ -89,8 +89,7 @@ def shard_zero_(
             "(their gradients are averaged over the expert-data-parallel ranks): use 'mean'"
         )
     if cfg.stage == 3:
-        _refuse_expert_parallel_stage3(experts)
-        layout = _shard_units(model, groups, names, dp_group, cfg, device)
+        layout = _shard_units(model, groups, names, dp_group, cfg, device, experts)
     else:
         layout = _shard_flat(model, groups, names, dp_group, cfg, experts)
     dp_size = comm.get_world_size(dp_group)
@@ -146,21 +145,25 @@ def _shard_units(
     dp_group: comm.Group,
     cfg: ZeroConfig,
     device: torch.device | None,
+    experts: dict[str, ExpertGroups] | None = None,
 ) -> _Layout:
     """Stage 3: each rank holds a shard of every unit's buckets; units are gathered while they
-    run (ZeRO++ qwZ/hpZ/qgZ as configured)."""
+    run (ZeRO++ qwZ/hpZ/qgZ as configured). MoE expert buckets are sharded over their
+    expert-data-parallel group."""
     topology = None
     if cfg.zero_quantized_gradients or cfg.zero_hpz_partition_size > 1:
         topology = build_node_topology(
             cfg.zero_hpz_partition_size if cfg.zero_hpz_partition_size > 1 else None
         )
     _broadcast_from_dp0(model, [], dp_group)
+    _broadcast_experts(model, experts)
     late = partition_ordinary_(model)  # made outside zero.Init after the rest was
     if late:
         log_rank0(
             "ZeRO-3: partitioned %d parameters made outside zero.Init: %s", len(late), late[:8]
         )
-    store = shard_params_(model, groups, names, dp_group, _stage3_options(cfg, topology), device)
+    options = _stage3_options(cfg, topology)
+    store = shard_params_(model, groups, names, dp_group, options, device, experts)
     return _Layout(store.buckets, store, store, _two_hop(cfg, topology, dp_group))
 
 
@@ -205,13 +208,15 @@ def _param_groups(model: nn.Module, groups: Sequence[dict[str, Any]]) -> list[li
     return out
 
 
-def _refuse_expert_parallel_stage3(experts: dict[str, ExpertGroups] | None) -> None:
-    sizes = sorted({g.ep_size for g in (experts or {}).values() if g.ep_size > 1})
-    if sizes:
-        raise ValueError(
-            f"ZeRO stage 3 with MoE expert parallelism (ep_size {sizes}) is not supported yet: "
-            "use zero_optimization.stage 0-2 with ep_size > 1, or ep_size 1 at stage 3"
-        )
+@torch.no_grad()
+def _broadcast_experts(model: nn.Module, experts: dict[str, ExpertGroups] | None) -> None:
+    """Stage 3: MoE expert parameters of an ``ep_size`` > 1 are equal only over their
+    expert-data-parallel group; start them from its first rank."""
+    for p in model.parameters():
+        g = expert_of(p, experts) if not p.is_meta and not is_zero_param(p) else None
+        if g is not None and comm.get_world_size(g.edp_group) > 1:
+            first = comm.global_rank(g.edp_group, 0)
+            comm.broadcast(p.data, src=first, group=g.edp_group, label="init_params")
 
 
 def _two_hop(

@@ -1,6 +1,7 @@
 """``ShardedStore``: where ZeRO-3 parameters live, and the gathering and releasing of units.
 
-Each rank keeps its 1/N shard of every unit's buckets. A unit's full storage exists only
+Each rank keeps its 1/N shard of every unit's buckets (an MoE expert bucket: its 1/N shard
+over the expert-data-parallel group, whose ranks hold the same experts). A unit's full storage exists only
 while it is gathered: a forward pre-hook all-gathers it (waiting for a prefetch in flight),
 the forward post-hook frees it (``untyped_storage().resize_(0)``, so tensors autograd saved
 keep their identity and see the data again when it is re-gathered), a hook on the unit's
@@ -101,8 +102,13 @@ class ShardedStore:
 
     def _first_shard(self, b: Bucket) -> torch.Tensor:
         if b.flat.untyped_storage().nbytes():
-            return b.flat[b.shard_slice(self.dp_rank)].clone()
+            return b.flat[b.shard_slice(self._rank(b))].clone()
         return b.flat.new_zeros(b.shard_numel)
+
+    def _rank(self, b: Bucket) -> int:
+        """This rank's shard of ``b``: its data-parallel rank, or its rank in the
+        expert-data-parallel group for an MoE expert bucket."""
+        return self.dp_rank if b.expert is None else comm.get_rank(b.expert.edp_group)
 
     def _place(self, shard: torch.Tensor) -> torch.Tensor:
         """``offload_param``: move a shard to its home in host memory."""
@@ -183,7 +189,7 @@ class ShardedStore:
         return self.shards[b]
 
     def owned_range(self, b: int) -> tuple[int, int]:
-        s = self.buckets[b].shard_slice(self.dp_rank)
+        s = self.buckets[b].shard_slice(self._rank(self.buckets[b]))
         return s.start, s.stop
 
     def owned(self, b: int) -> torch.Tensor:
@@ -199,7 +205,7 @@ class ShardedStore:
         return comm.all_gather_into_tensor(
             flat,
             self.shards[b].to(flat.device, non_blocking=True),
-            group=self.group,
+            group=self.buckets[b].comm_group(self.group),
             async_op=True,
             label=f"param_unit{b}",
         )
@@ -260,7 +266,7 @@ class ShardedStore:
             flat = self.buckets[b].flat
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             label = f"param_unit{b}"
-            group, source = self.group, self.shards[b]
+            group, source = self.buckets[b].comm_group(self.group), self.shards[b]
             secondary = self.secondary.source(b) if self.secondary is not None else None
             if phase == "bwd" and secondary is not None:
                 group, source = zpp.hpz_group, secondary  # hpZ: stay inside the node

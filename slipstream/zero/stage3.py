@@ -40,7 +40,9 @@ import torch
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.distributed.expert import ExpertGroups
 from slipstream.zero._deepspeed_classes import DeepSpeedZeroOptimizer_Stage3
+from slipstream.zero.flat import Bucket
 from slipstream.zero.init_shards import InitShards, init_owner
 from slipstream.zero.param import INIT_OWNER_ATTR, mark_partitioned_, unmark_
 from slipstream.zero.policies import Stage3Options
@@ -68,6 +70,7 @@ def shard_params_(
     dp_group: comm.Group,
     options: Stage3Options,
     device: torch.device | None = None,
+    experts: dict[str, ExpertGroups] | None = None,
 ) -> ShardedStore:
     """Partition ``model``'s trainable parameters per unit, in place; install gather hooks.
 
@@ -75,18 +78,42 @@ def shard_params_(
     replicated (or int8-stored, with ``options.weights.quantize_frozen``). Parameters
     partitioned by ``zero.Init`` are re-laid from their per-parameter shards into this rank's
     bucket shards one parameter at a time (one all-gather each). Returns the store; its
-    ``buckets`` are in expected gradient order.
+    ``buckets`` are in expected gradient order. MoE expert parameters of an ``ep_size`` > 1
+    (``experts``) are sharded over their expert-data-parallel group instead: each rank holds
+    its own experts, which the other expert-parallel ranks do not have.
     """
     if device is None:
         device = next((t.device for t in model.buffers() if not t.is_meta), torch.device("cpu"))
         device = next((p.device for p in model.parameters() if not p.is_meta), device)
     dp = comm.get_world_size(dp_group)
-    plan = plan_units(model, groups, names, dp, device, options.persistence_threshold)
+    plan = plan_units(model, groups, names, dp, device, options.persistence_threshold, experts)
+    _refuse_expert_init(plan.buckets, options)
     store = ShardedStore(plan.buckets, plan.units, dp_group, options, plan.module_unit)
     deferred = {b.index for b in plan.buckets if any(init_owner(p) for p in b.params)}
     store.materialize_peak_numel = _take_init_shards(model, store)
     _finish(store, deferred, model)
     return store
+
+
+def _refuse_expert_init(buckets: Sequence[Bucket], options: Stage3Options) -> None:
+    """Expert buckets (``ep_size`` > 1) hold different experts on each expert-parallel rank:
+    ``zero.Init`` shards (cut over the whole world) and hpZ's secondary copies (cut over a
+    node) would mix them."""
+    for b in buckets:
+        if b.expert is None:
+            continue
+        if any(init_owner(p) for p in b.params):
+            raise ValueError(
+                f"MoE expert parameters of ep_size {b.expert.ep_size} built under zero.Init "
+                f"({b.names[:2]}...) are not supported: build the MoE model outside "
+                "deepspeed.zero.Init (ZeRO stage 3 still partitions it), or use ep_size 1"
+            )
+        if options.weights.hpz:
+            raise ValueError(
+                f"zero_optimization.zero_hpz_partition_size = {options.weights.hpz_size} with "
+                f"MoE expert parallelism (ep_size {b.expert.ep_size}) is not supported: set "
+                "zero_hpz_partition_size to 1, or ep_size to 1"
+            )
 
 
 @torch.no_grad()

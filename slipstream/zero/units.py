@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from slipstream.zero.flat import Bucket, make_bucket
+from slipstream.distributed import comm
+from slipstream.distributed.expert import ExpertGroups
+from slipstream.zero.flat import Bucket, expert_of, make_bucket
 from slipstream.zero.leaf_modules import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
@@ -104,12 +106,15 @@ def plan_units(
     dp_size: int,
     device: torch.device,
     persistence_threshold: int,
+    experts: dict[str, ExpertGroups] | None = None,
 ) -> UnitPlan:
     """Cut ``model`` into units and lay each unit's trainable parameters (those in ``groups``,
     the optimizer's param groups) out in flat buckets on ``device``; parameters become views.
 
     Units with fewer than ``persistence_threshold`` elements are marked persistent (they stay
-    gathered). ``zero.Init`` parameters get buckets without storage (filled later).
+    gathered). ``zero.Init`` parameters get buckets without storage (filled later). MoE expert
+    parameters of an ``ep_size`` > 1 (``experts``, by expert group name) get buckets of their
+    own, padded to and later sharded over their expert-data-parallel group.
     """
     group_of = {p: gi for gi, plist in enumerate(groups) for p in plist}
     mods = unit_modules(model)
@@ -136,11 +141,19 @@ def plan_units(
     buckets: list[Bucket] = []
     for unit in reversed(units):
         mine = [p for p in owner if owner[p] == unit.index]
-        by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+        by_key: dict[tuple[int, torch.dtype, str], list[nn.Parameter]] = {}
+        expert: dict[str, ExpertGroups] = {}
         for p in mine:
-            by_key.setdefault((group_of[p], p.dtype), []).append(p)
-        for (gi, _), plist in by_key.items():
-            bucket = make_bucket(len(buckets), gi, plist, names, dp_size, device=device)
+            g = expert_of(p, experts) if experts is not None else None
+            name = "" if g is None else p.group_name  # type: ignore[attr-defined]
+            if g is not None:
+                expert[name] = g
+            by_key.setdefault((group_of[p], p.dtype, name), []).append(p)
+        for (gi, _, name), plist in by_key.items():
+            g = expert.get(name)
+            size = dp_size if g is None else comm.get_world_size(g.edp_group)
+            bucket = make_bucket(len(buckets), gi, plist, names, size, device=device)
+            bucket.expert = g
             unit.buckets.append(bucket.index)
             buckets.append(bucket)
     for unit in units:

@@ -80,7 +80,8 @@ def run(kind: str, ep: int, stage: int, load: str | None, save: str | None) -> d
         for i in range(2):
             step(i)
         engine.save_checkpoint(save, tag="t")
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO-3
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     cont = [step(i) for i in (2, 3)]
     engine.destroy()
     return {"continued": cont, "params": params}

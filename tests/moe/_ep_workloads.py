@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slipstream.distributed.comm import get_world_size as comm_size
 from slipstream.moe import MoE, clip_grad_norm_, expert_parallel_, reduce_gradients_
 
 DIM, EXPERTS, TOKENS, STEPS, LR = 8, 4, 12, 3, 0.05
@@ -166,8 +167,16 @@ def engine_ep(stage: int, bf16: bool, clip: float, k: int = 2) -> dict[str, Any]
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-        out[ep] = {"losses": losses, "params": params}
+        with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+            params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        buckets = engine.optimizer.buckets
+        out[ep] = {
+            "losses": losses,
+            "params": params,
+            "expert_buckets": [
+                comm_size(b.expert.edp_group) for b in buckets if b.expert is not None
+            ],
+        }
         engine.destroy()
     out["reference"] = _expert_view(reference_run(k, world, clip)["params"], rank, world)
     return out

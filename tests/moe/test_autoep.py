@@ -1,8 +1,8 @@
-"""AutoEP (the ``expert_parallel`` block): tiny Hugging Face Mixtral, Qwen3-MoE, DeepSeek-V2
-and DeepSeek-V3 models converted to expert-parallel grouped experts compute what the
-original model does (fp32), train through ``slipstream.initialize`` at ``autoep_size`` 2 like
-one process training the original on the global batch, and train through the HF Trainer.
-One forked 2-rank world runs every multi-rank check."""
+"""AutoEP (the ``expert_parallel`` block): tiny Hugging Face Mixtral, Qwen3-MoE, Qwen3.5-MoE,
+DeepSeek-V2, DeepSeek-V3 and MiniMax-M3 models converted to expert-parallel grouped experts
+compute what the original model does (fp32), train through ``slipstream.initialize`` at
+``autoep_size`` 2 like one process training the original on the global batch, and train
+through the HF Trainer. One forked 2-rank world runs every multi-rank check."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ from slipstream.config._errors import ConfigError
 from slipstream.config.expert import ExpertParallelConfig
 from slipstream.config.loader import read_config
 from slipstream.moe import moe_layers
-from slipstream.moe.autoep import AutoEPExperts, AutoEPRouter, convert_hf_moe_
+from slipstream.moe.autoep import (
+    PRESETS,
+    AutoEPExperts,
+    AutoEPRouter,
+    convert_hf_moe_,
+    detect_preset,
+)
 from tests.distributed.harness import run_world
 from tests.moe import _autoep_workloads as w
 
@@ -27,10 +33,12 @@ pytest.importorskip("transformers")
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.mark.parametrize("preset", ["mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("preset", list(PRESETS))
 def test_converted_model_equals_original(preset: str) -> None:
-    """autoep_size 1 in one process: same logits, and a gradient that reaches the experts."""
+    """autoep_size 1 in one process, the preset found from the model type: same logits, and a
+    gradient that reaches the experts."""
     model = w.build(preset).eval()
+    assert detect_preset(model) == preset
     ids = w.batch(0, 0)
     ref = model(input_ids=ids).logits
     conv = copy.deepcopy(model)
@@ -46,6 +54,28 @@ def test_converted_model_equals_original(preset: str) -> None:
     conv(input_ids=ids, labels=ids).loss.backward()
     experts = next(m for m in conv.modules() if isinstance(m, AutoEPExperts))
     assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.abs().sum() > 0
+    # MiniMax-M3's experts run its clamped SwiGLU (the plain one would change the logits).
+    assert (experts.clamp is not None) == (preset == "minimax_m3")
+
+
+def test_minimax_activation_and_composite_types() -> None:
+    """MiniMax-M3's clamped SwiGLU: the plain form gives other logits, and an
+    expert_activation naming it is refused; a vision-language model type is refused with
+    the text backbone's type, as DeepSpeed's presets do."""
+    model = w.build("minimax_m3").eval()
+    ids = w.batch(0, 2)
+    conv = copy.deepcopy(model)
+    convert_hf_moe_(conv, ExpertParallelConfig(enabled=True, expert_activation="swiglu_oai"), 0)
+    torch.testing.assert_close(conv(input_ids=ids).logits, model(input_ids=ids).logits, **TOL)
+    for m in conv.modules():
+        if isinstance(m, AutoEPExperts):
+            m.clamp = None
+    assert not torch.allclose(conv(input_ids=ids).logits, model(input_ids=ids).logits, **TOL)
+    with pytest.raises(ConfigError, match=r"'expert_parallel\.expert_activation' = 'swiglu'"):
+        convert_hf_moe_(model, ExpertParallelConfig(enabled=True, expert_activation="swiglu"), 0)
+    model.config.model_type = "minimax_m3_vl"
+    with pytest.raises(ConfigError, match="'minimax_m3_vl_text'"):
+        convert_hf_moe_(model, ExpertParallelConfig(enabled=True), 0)
 
 
 def test_routing_keys_replace_the_router() -> None:
@@ -70,7 +100,7 @@ def test_keys_are_validated() -> None:
     assert ok.expert_parallel.autoep_size == 1 and ok.expert_parallel.top_k is None
     bad = [
         ({"comm_backend": "deepep"}, "'expert_parallel.comm_backend' = 'deepep'"),
-        ({"preset_model": "minimax_m3"}, "'expert_parallel.preset_model' = 'minimax_m3'"),
+        ({"expert_activation": "gelu"}, "'expert_parallel.expert_activation' = 'gelu'"),
         ({"preset_model": "llama"}, "unknown preset"),
         ({"score_apply": "pre"}, "'expert_parallel.score_apply' = 'pre'"),
         ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
@@ -110,15 +140,12 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, A
         yield run_world(w.world, 2, str(tmp_path_factory.mktemp("autoep")), timeout_s=500)
 
 
-@pytest.mark.parametrize("case", ["mixtral/ep2", "qwen3_moe/ep2", "deepseek_v3/ep2"])
+@pytest.mark.parametrize("case", ["qwen3_moe/ep2", "deepseek_v3/ep2", "mixtral/ep2/zero2"])
 def test_engine_ep2_equals_one_process(ranks: list[dict[str, Any]], case: str) -> None:
-    """autoep_size 2 at ZeRO-1: the first logits equal the unconverted model's; losses and
-    parameters after 3 clipped SGD steps equal one process on the global batch."""
+    """autoep_size 2 (Qwen3-MoE and DeepSeek-V3 at ZeRO-1, Mixtral at ZeRO-2): the first
+    logits equal the unconverted model's; losses and parameters after 3 clipped SGD steps
+    equal one process on the global batch."""
     _check(ranks, case)
-
-
-def test_engine_ep2_zero2(ranks: list[dict[str, Any]]) -> None:
-    _check(ranks, "mixtral/ep2/zero2")
 
 
 def _check(ranks: list[dict[str, Any]], case: str) -> None:

@@ -1,7 +1,7 @@
 """MoE checkpoints save each expert once by its global expert id and load at another world
-size, ep_size and ZeRO stage: saved at ep_size 2 on 2 ranks and loaded at ep_size 1 on one
-process, and the reverse, the parameters are equal and training continues with the same
-losses. zero_to_fp32 of an AutoEP checkpoint gives the plain Hugging Face state dict."""
+size, ep_size and ZeRO stage: saved at ep_size 2 on 2 ranks (ZeRO-3) and loaded at ep_size 1
+on one process (ZeRO-2), and the reverse, the parameters are equal and training continues
+with the same losses. zero_to_fp32 of an AutoEP checkpoint gives the plain Hugging Face state dict."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ pytest.importorskip("transformers")
 
 
 def _cases(root: Path) -> dict[str, Any]:
-    """For each kind: ep2 (world 2, ZeRO-1) saves, ep1 (world 1, ZeRO-0) saves; each loads
-    the other's checkpoint (ep1 at ZeRO-2, ep2 at ZeRO-2). Four worlds, both kinds in each."""
+    """For each kind: ep2 (world 2, ZeRO-3: experts partitioned over their expert-data-parallel
+    group) saves, ep1 (world 1, ZeRO-0) saves; each loads the other's checkpoint (ep1 at
+    ZeRO-2, ep2 at ZeRO-3). Four worlds, both kinds in each."""
     a, b = str(root / "ep2"), str(root / "ep1")
     ep1_saves = run_world(w.both, 1, 1, 0, None, b)[0]
-    ep2_saves = run_world(w.both, 2, 2, 1, None, a)
+    ep2_saves = run_world(w.both, 2, 2, 3, None, a)
     ep1_loads = run_world(w.both, 1, 1, 2, a, None)[0]
-    ep2_loads = run_world(w.both, 2, 2, 2, b, None)
+    ep2_loads = run_world(w.both, 2, 2, 3, b, None)
     out: dict[str, Any] = {"ep2_dir": a}
     for kind in ("autoep", "deepspeed"):
         out[kind] = {
