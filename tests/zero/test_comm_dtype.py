@@ -2,7 +2,9 @@
 precision (the ranks' bf16 gradients summed in fp32); ``"communication_data_type": "bf16"``
 sums them in bf16, which is what DeepSpeed 0.19.8 does with bf16 (its gradients stay in the
 parameters' dtype): the switch docs/compatibility.md gives for DeepSpeed's numbers, where
-DeepSpeed-Chat's steps then match DeepSpeed bit for bit.
+DeepSpeed-Chat's steps then match DeepSpeed bit for bit. Checked on DeepSpeed 0.19.8 with
+this workload (its ``safe_get_full_grad`` after ``backward``, stages 2 and 3): the bf16-rounded
+mean, also with ``"communication_data_type": "fp32"``.
 
 Exact comparisons hold on any CPU: a sum of two bf16 values is exact in fp32, halving is
 exact, and one rounding of the exact sum to bf16 is what a bf16 sum gives.
