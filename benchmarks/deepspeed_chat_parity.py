@@ -108,7 +108,7 @@ if os.environ.get("CHAT_PARITY_SIDE"):
             import torch.distributed as dist
             seen[0] += 1
             print(f"\nPARITY_LOSS engine={id(engine)} rank={dist.get_rank()} n={seen[0]} "
-                  f"loss={loss.detach().float().item()!r}", flush=True)
+                  f"loss={loss.detach().float().item()!r}\n", flush=True)
             return backward(loss, *a, **k)
 
         engine.backward = logged_backward
@@ -167,7 +167,9 @@ def parse(step: int, out: str) -> dict[str, list[float]]:
     """The per-step values a step's output carries (rank 0)."""
     got: dict[str, list[float]] = {}
     losses: dict[str, list[float]] = {}
-    for engine, value in re.findall(r"PARITY_LOSS engine=(\d+) rank=0 n=\d+ loss=(\S+)", out):
+    for engine, value in re.findall(
+        r"PARITY_LOSS engine=(\d+) rank=0 n=\d+ loss=([-+\w.]+?)(?=\s|Epoch|$)", out
+    ):
         losses.setdefault(engine, []).append(float(value))
     if step in (1, 2):
         got["loss"] = next(iter(losses.values()), [])
