@@ -12,7 +12,8 @@ threshold to 0 in the config Lightning writes (everything else is Lightning's ow
 code: the config it writes, ``deepspeed.init_distributed``, ``zero.Init``,
 ``deepspeed.initialize``, ``engine.backward``/``step``). Under DeepSpeed itself the
 shared-memory all-reduce op it would JIT-build is stubbed, as ``tests/compat/_deepspeed.py``
-does. Rank 0 writes every rank's loss per
+does, and ``deepspeed.initialize`` gets the local rank as ``args.device_rank`` where Lightning
+passes the CPU device's index, None (DeepSpeed compares it with 0). Rank 0 writes every rank's loss per
 step (the mean over ranks) to ``--out``. ``DS_ACCELERATOR=cpu`` is set for DeepSpeed itself.
 """
 
@@ -33,6 +34,19 @@ if os.environ.get("SLIPSTREAM_AS_DEEPSPEED") != "1":
         import deepspeed.comm.torch as _ds_torch
 
         _ds_torch.build_shm_op = lambda: None  # DeepSpeed's own "op not available" value
+        import deepspeed as _ds
+
+        _ds_initialize = _ds.initialize
+
+        def _initialize_on_cpu(*args: Any, **kwargs: Any) -> Any:
+            # Lightning passes args.device_rank = root_device.index, None on a CPU, which
+            # DeepSpeed compares with 0 (TypeError); its own launcher would give the local rank.
+            ns = kwargs.get("args")
+            if ns is not None and getattr(ns, "device_rank", 0) is None:
+                ns.device_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            return _ds_initialize(*args, **kwargs)
+
+        _ds.initialize = _initialize_on_cpu
     except ImportError:
         pass
 
