@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,9 @@ class Routes:
         experts: ``[k, tokens]`` int64 expert id of each choice; -1 where it was dropped.
         slots: ``[k, tokens]`` int64 position inside the expert's capacity buffer (0 if dropped).
         weights: ``[k, tokens]`` fp32 combine weight (0 for a dropped choice).
-        capacity: slots per expert.
+        capacity_spec: slots per expert, or (dropless) a function that agrees them over the
+            expert-parallel group when :attr:`capacity` is first read: only DeepSpeed's dense
+            form needs them, so slipstream's own dispatch never pays that all-reduce.
         num_experts: experts in the layer (all ranks together).
         l_aux: the auxiliary load-balancing loss (a scalar with gradient to the gate).
         exp_counts: ``[experts]`` tokens routed to each expert before capacity was applied.
@@ -71,10 +74,18 @@ class Routes:
     experts: Tensor
     slots: Tensor
     weights: Tensor
-    capacity: int
+    capacity_spec: int | Callable[[], int]
     num_experts: int
     l_aux: Tensor
     exp_counts: Tensor
+
+    @property
+    def capacity(self) -> int:
+        """Slots per expert (a collective over the expert-parallel group on the first read
+        in dropless mode: every rank of the group must read it)."""
+        if callable(self.capacity_spec):
+            self.capacity_spec = self.capacity_spec()
+        return self.capacity_spec
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """``(combine_weights [s, e, c], dispatch_mask [s, e, c])`` as DeepSpeed returns them."""
@@ -122,12 +133,13 @@ def capacity_for(num_tokens: int, num_experts: int, factor: float, min_capacity:
     return max(math.ceil(num_tokens / num_experts * factor), min_capacity)
 
 
-def _dropless_capacity(exp_counts: Tensor, ep_group: comm.Group) -> int:
-    """The busiest expert's load, agreed over the expert-parallel group (equal buffers)."""
+def _dropless_capacity(exp_counts: Tensor, ep_group: comm.Group, limit: int | None = None) -> int:
+    """The busiest expert's load, agreed over the expert-parallel group (equal buffers),
+    at most ``limit``."""
     top = exp_counts.max().reshape(1).clone()
     if ep_group is not None and comm.get_world_size(ep_group) > 1:
         comm.all_reduce(top, op=comm.ReduceOp.MAX, group=ep_group, label="moe_capacity")
-    return int(top.item())
+    return int(top.item()) if limit is None else min(int(top.item()), limit)
 
 
 def top1_routes(
@@ -152,8 +164,11 @@ def top1_routes(
     if used_token is not None:
         mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
     exp_counts = mask.sum(dim=0).detach()
+    spec: int | Callable[[], int] = capacity
     if not drop_tokens:
-        capacity = min(_dropless_capacity(exp_counts, ep_group), num_tokens)
+        # Keeping the local busiest expert's load keeps every choice, as the group's would.
+        capacity = min(int(exp_counts.max()), num_tokens)
+        spec = partial(_dropless_capacity, exp_counts, ep_group, num_tokens)
     l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts
     if num_tokens < min_capacity:
         raise ValueError(
@@ -171,7 +186,7 @@ def top1_routes(
         experts.unsqueeze(0),
         slots.unsqueeze(0),
         weights.unsqueeze(0),
-        capacity,
+        spec,
         num_experts,
         l_aux,
         exp_counts,
@@ -200,12 +215,13 @@ def top2_routes(
     loc2 = torch.cumsum(mask2, dim=0) - 1 + mask1.sum(dim=0, keepdim=True)
     l_aux = torch.mean(gates.mean(dim=0) * mask1.float().mean(dim=0)) * num_experts * num_experts
     exp_counts = (mask1 + mask2).sum(dim=0).detach()
+    capacity: int | Callable[[], int]
     if drop_tokens:
         capacity = capacity_for(num_tokens, num_experts, capacity_factor * 2, min_capacity)
         mask1 = mask1 * (loc1 < capacity)
         mask2 = mask2 * (loc2 < capacity)
     else:
-        capacity = _dropless_capacity(exp_counts, ep_group)
+        capacity = partial(_dropless_capacity, exp_counts, ep_group)
     g1 = (gates * mask1).sum(dim=1)
     g2 = (gates * mask2).sum(dim=1)
     denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
@@ -242,13 +258,14 @@ def topk_routes(
     mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, True)
     exp_counts = mask.sum(dim=0).detach()
     l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts**2 / k
+    capacity: int | Callable[[], int]
     if drop_tokens:
         capacity = capacity_for(num_tokens, num_experts, capacity_factor * k, min_capacity)
         by_gate = torch.zeros_like(gates).scatter(1, top_idx, top_gate)
         keep = torch.topk(by_gate, k=min(capacity, num_tokens), dim=0, sorted=False)[1]
         mask &= torch.zeros_like(mask).scatter_(0, keep, True)
     else:
-        capacity = _dropless_capacity(exp_counts, ep_group)
+        capacity = partial(_dropless_capacity, exp_counts, ep_group)
     locations = torch.cumsum(mask, dim=0) - 1
     masked = gates * mask
     masked = masked / torch.clamp(

@@ -47,6 +47,40 @@ def test_capacity_is_respected(k: int) -> None:
     assert torch.all(r.weights[~kept] == 0)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_dropless_capacity_is_agreed_only_when_read(
+    k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """drop_tokens=False: the routes keep every choice without the group's all-reduce; it
+    runs once, when DeepSpeed's dense form (or ``capacity``) is read, and gives the max."""
+    from slipstream.moe import gating
+
+    calls: list[int] = []
+
+    def fake_all_reduce(t: torch.Tensor, **kwargs: object) -> None:
+        calls.append(int(t.item()))
+        t.fill_(100)  # another rank's busiest expert is busier
+
+    monkeypatch.setattr(gating.comm, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(gating.comm, "all_reduce", fake_all_reduce)
+    logits = torch.randn(64, 4, generator=torch.Generator().manual_seed(k))
+    logits[:, 0] += 3.0
+    group = object()
+    if k == 1:
+        r = top1_routes(logits, 1.0, 0, drop_tokens=False, ep_group=group)
+    elif k == 2:
+        r = top2_routes(logits, 1.0, 0, drop_tokens=False, ep_group=group)
+    else:
+        r = topk_routes(logits, 3, 1.0, 0, drop_tokens=False, ep_group=group)
+    assert bool((r.experts >= 0).all()), "dropless routing keeps every choice"
+    assert calls == []
+    combine, _ = r.dense()
+    assert calls == [int(r.exp_counts.max())]
+    assert r.capacity == (64 if k == 1 else 100)  # top-1 caps it at the token count
+    assert combine.shape == (64, 4, r.capacity)
+    assert len(calls) == 1
+
+
 def test_top1_aux_loss_hand_computed() -> None:
     """l_aux = E * sum_e(mean gate_e * fraction_e) on a 4-token, 2-expert case."""
     logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0], [math.log(3.0), 0.0], [0.0, 1.0]])
