@@ -8,6 +8,15 @@ one for a model (:func:`driver_for`), and reads the keywords once (:func:`genera
 :func:`stream`); callers inside the package that already hold a typed
 :class:`~slipstream.models.decoding.GenerationRequest` use :func:`run`.
 
+``init_inference(...).generate`` runs on the continuous-batching engine
+(``paged_generate.py``: every row a request on the paged KV cache, LLaMA-family projections
+fused and pre-packed on the CPU) where that applies: ``kv_cache="auto"`` (the engine's
+default) picks it for greedy requests of a model the paged forward drives, on one process,
+with finished rows dropped and no streamer or stop strings; everything else (sampling,
+tensor parallelism, ``finished_rows="mask"``, ...) runs the static loop below, as
+``kv_cache="dynamic"`` always does. ``kv_cache="paged"`` asks for the paged engine and
+refuses a request it cannot run, naming why.
+
 Finished rows stop costing compute: by default they are dropped from the batch and from the
 cache (``finished="drop"``); ``finished="mask"`` keeps them in the batch (feeding the pad
 token), which is what Hugging Face ``generate`` does. Both give the same tokens (greedy);
@@ -17,7 +26,7 @@ docs/inference.md has the measurement that picked the default.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -39,6 +48,7 @@ from slipstream.models.gpt import GPT
 from slipstream.models.gpt_generation import check_generation_ready
 
 __all__ = [
+    "CacheChoice",
     "FinishedRows",
     "ModelDriver",
     "RankSync",
@@ -47,6 +57,8 @@ __all__ = [
     "run",
     "stream",
 ]
+
+CacheChoice = Literal["auto", "paged", "dynamic", "static", "graph"]
 
 _HF = ModelDriver(hf.last_logits, hf.make_cache, hf.select_rows, hf.context_length)
 _GRAPH = ModelDriver(
@@ -98,18 +110,57 @@ def _prepare(
     return sync.request(req)
 
 
+def paged_refusal(
+    model: nn.Module,
+    req: GenerationRequest,
+    finished: FinishedRows,
+    all_done: Callable[[bool], bool] | None,
+    sync: RankSync,
+) -> str | None:
+    """Why ``req`` does not run on the continuous-batching engine (None: it does)."""
+    from slipstream.inference import paged_generate
+
+    if req.sampling.do_sample:
+        return "sampled rows keep the static engine's batch-wide generator draws"
+    if finished != "drop":
+        return f"finished_rows={finished!r} keeps finished rows in the batch"
+    if all_done is not None or sync is not ALONE:
+        return "several processes generate in lock-step"
+    return paged_generate.paged_refusal(model, req)
+
+
 def run(
     model: nn.Module,
     req: GenerationRequest,
     *,
-    cache: hf.CacheKind = "dynamic",
+    cache: CacheChoice = "dynamic",
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
     sync: RankSync = ALONE,
+    runner: Callable[[], Any] | None = None,
 ) -> torch.Tensor:
     """Decode a typed request on ``model`` (a GPT or a Hugging Face causal LM):
     ``[batch, prompt + new]`` token ids. ``all_done`` keeps processes in lock-step (see
-    :func:`~slipstream.models.decoding.decode_steps`)."""
+    :func:`~slipstream.models.decoding.decode_steps`). ``cache`` "auto"/"paged": the
+    continuous-batching engine where :func:`paged_refusal` allows (``runner``: returns the
+    model's paged forward to reuse, called only when the paged engine runs).
+
+    Raises:
+        ConfigError: ``cache="paged"`` and a request the paged engine cannot run.
+    """
+    if cache in ("auto", "paged"):
+        why = paged_refusal(model, req, finished, all_done, sync)
+        if why is None:
+            from slipstream.inference.paged_generate import run_paged
+
+            return run_paged(model, req, runner=None if runner is None else runner())
+        if cache == "paged":
+            raise ConfigError(
+                f"generate: kv_cache='paged' cannot run this request: {why}; use "
+                "kv_cache='auto' (the static engine where the paged one does not apply) or "
+                "'dynamic'"
+            )
+        cache = "dynamic"
     run_ = _driver(model, cache, finished, all_done is not None)
     return decode(model, req, run_, cache=cache, finished=finished, all_done=all_done, sync=sync)
 
@@ -118,10 +169,11 @@ def generate(
     model: nn.Module,
     *,
     max_out_tokens: int | None = None,
-    cache: hf.CacheKind = "dynamic",
+    cache: CacheChoice = "dynamic",
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
     sync: RankSync = ALONE,
+    runner: Callable[[], Any] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Hugging Face ``model.generate`` semantics: ``[batch, prompt + new]`` token ids.
@@ -138,14 +190,16 @@ def generate(
         ConfigError: before any model work, for every invalid request (see ``request.py``).
     """
     req = _prepare(model, kwargs, max_out_tokens, sync)
-    return run(model, req, cache=cache, finished=finished, all_done=all_done, sync=sync)
+    return run(
+        model, req, cache=cache, finished=finished, all_done=all_done, sync=sync, runner=runner
+    )
 
 
 def stream(
     model: nn.Module,
     *,
     max_out_tokens: int | None = None,
-    cache: hf.CacheKind = "dynamic",
+    cache: CacheChoice = "dynamic",
     finished: FinishedRows = "drop",
     sync: RankSync = ALONE,
     **kwargs: Any,
@@ -155,12 +209,19 @@ def stream(
     The arguments are validated when this is called, before the first token is asked for.
     Concatenating the yielded tensors gives ``generate(...)[:, prompt_len:]``.
     """
+    if cache == "paged":
+        raise ConfigError(
+            "stream: kv_cache='paged' does not stream (the continuous-batching engine streams "
+            "through slipstream.inference.ContinuousBatchingEngine.step); use kv_cache='auto' "
+            "or 'dynamic'"
+        )
+    kind: hf.CacheKind = "dynamic" if cache == "auto" else cache
     req = _prepare(model, kwargs, max_out_tokens, sync)
-    run_ = _driver(model, cache, finished, False)
+    run_ = _driver(model, kind, finished, False)
 
     def steps() -> Iterator[torch.Tensor]:
         with torch.inference_mode():
-            for tokens in decode_steps(model, req, run_, cache=cache, finished=finished, sync=sync):
+            for tokens in decode_steps(model, req, run_, cache=kind, finished=finished, sync=sync):
                 yield tokens.clone()
 
     return steps()

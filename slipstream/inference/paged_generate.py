@@ -21,7 +21,7 @@ from torch import nn
 
 from slipstream.config._errors import ConfigError
 from slipstream.inference.batching import ContinuousBatchingEngine
-from slipstream.inference.paged_models import runner_for
+from slipstream.inference.paged_models import Runner, runner_for
 from slipstream.models.decoding import GenerationRequest
 
 __all__ = ["paged_refusal", "run_paged"]
@@ -57,12 +57,14 @@ def run_paged(
     *,
     block_size: int = 16,
     max_tokens_per_step: int = 2048,
+    runner: Runner | None = None,
 ) -> torch.Tensor:
     """Decode ``req`` on the paged engine: ``[batch, prompt + new]`` token ids, rows that
     ended early padded with ``req.pad_token_id``, as long as the longest row (the static
     engine's output). Every model call is local: ZeRO-3 must have gathered the parameters
     (the hybrid engine's pinned mode), as the per-layer gathers of unpinned ZeRO-3 are not
-    run by the paged forward.
+    run by the paged forward. ``runner``: ``model``'s paged forward to reuse (its packed
+    weights, see ``fused.py``), instead of preparing a new one.
     """
     b, t = req.input_ids.shape
     prompts = [
@@ -71,7 +73,7 @@ def run_paged(
     longest = max(len(p) for p in prompts) + req.max_new_tokens
     engine = ContinuousBatchingEngine(
         model, block_size=block_size, max_num_seqs=b, max_tokens_per_step=max_tokens_per_step,
-        max_model_len=longest, num_blocks=b * -(-longest // block_size),
+        max_model_len=longest, num_blocks=b * -(-longest // block_size), runner=runner,
     )  # fmt: skip
     stops = set(req.eos_token_ids)
     gens = _row_generators(req, engine.runner.device)
