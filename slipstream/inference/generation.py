@@ -124,7 +124,7 @@ def paged_refusal(
         return "sampled rows keep the static engine's batch-wide generator draws"
     if finished != "drop":
         return f"finished_rows={finished!r} keeps finished rows in the batch"
-    if all_done is not None or sync is not ALONE:
+    if all_done is not None or type(sync) is not RankSync:  # the base class: one process
         return "several processes generate in lock-step"
     return paged_generate.paged_refusal(model, req)
 
