@@ -120,7 +120,15 @@ class InferenceEngine:
         See :func:`slipstream.inference.generate` for the arguments; the prompt plus new
         tokens may not exceed ``max_out_tokens``.
         """
-        return generation.generate(self.module, runner=self._runner, **self._args(args, kwargs))
+        from slipstream.inference.paged_generate import generate_auto
+
+        kw = self._args(args, kwargs)
+        cache, finished, sync = kw.pop("cache"), kw.pop("finished"), kw.pop("sync")
+        max_out_tokens = kw.pop("max_out_tokens")
+        req = generation.prepare(self.module, kw, max_out_tokens, sync)
+        return generate_auto(
+            self.module, req, cache=cache, finished=finished, sync=sync, runner=self._runner
+        )
 
     def _runner(self) -> Any:
         """The module's paged forward, prepared on first use and kept (its packed weights

@@ -169,4 +169,3 @@ def fuse_llama(model: nn.Module) -> FusedLlama | None:
     fused = FusedLlama(layers, head if type(head) is nn.Linear else None)
     fused.refresh()
     return fused
-

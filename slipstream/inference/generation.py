@@ -9,7 +9,7 @@ one for a model (:func:`driver_for`), and reads the keywords once (:func:`genera
 :class:`~slipstream.models.decoding.GenerationRequest` use :func:`run`.
 
 ``init_inference(...).generate`` runs on the continuous-batching engine
-(``paged_generate.py``: every row a request on the paged KV cache, LLaMA-family projections
+(``paged_generate.generate_auto``: every row a request on the paged KV cache, LLaMA-family projections
 fused and pre-packed on the CPU) where that applies: ``kv_cache="auto"`` (the engine's
 default) picks it for greedy requests of a model the paged forward drives, on one process,
 with finished rows dropped and no streamer or stop strings; everything else (sampling,
@@ -54,6 +54,7 @@ __all__ = [
     "RankSync",
     "driver_for",
     "generate",
+    "prepare",
     "run",
     "stream",
 ]
@@ -98,7 +99,7 @@ def _driver(model: nn.Module, cache: hf.CacheKind, finished: FinishedRows, locks
     return run
 
 
-def _prepare(
+def prepare(
     model: nn.Module, kwargs: dict[str, Any], max_out_tokens: int | None, sync: RankSync
 ) -> GenerationRequest:
     req = build_request(
@@ -110,25 +111,6 @@ def _prepare(
     return sync.request(req)
 
 
-def paged_refusal(
-    model: nn.Module,
-    req: GenerationRequest,
-    finished: FinishedRows,
-    all_done: Callable[[bool], bool] | None,
-    sync: RankSync,
-) -> str | None:
-    """Why ``req`` does not run on the continuous-batching engine (None: it does)."""
-    from slipstream.inference import paged_generate
-
-    if req.sampling.do_sample:
-        return "sampled rows keep the static engine's batch-wide generator draws"
-    if finished != "drop":
-        return f"finished_rows={finished!r} keeps finished rows in the batch"
-    if all_done is not None or type(sync) is not RankSync:  # the base class: one process
-        return "several processes generate in lock-step"
-    return paged_generate.paged_refusal(model, req)
-
-
 def run(
     model: nn.Module,
     req: GenerationRequest,
@@ -137,32 +119,16 @@ def run(
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
     sync: RankSync = ALONE,
-    runner: Callable[[], Any] | None = None,
 ) -> torch.Tensor:
-    """Decode a typed request on ``model`` (a GPT or a Hugging Face causal LM):
-    ``[batch, prompt + new]`` token ids. ``all_done`` keeps processes in lock-step (see
-    :func:`~slipstream.models.decoding.decode_steps`). ``cache`` "auto"/"paged": the
-    continuous-batching engine where :func:`paged_refusal` allows (``runner``: returns the
-    model's paged forward to reuse, called only when the paged engine runs).
-
-    Raises:
-        ConfigError: ``cache="paged"`` and a request the paged engine cannot run.
+    """Decode a typed request on ``model`` (a GPT or a Hugging Face causal LM) with the static
+    loop: ``[batch, prompt + new]`` token ids. ``all_done`` keeps processes in lock-step (see
+    :func:`~slipstream.models.decoding.decode_steps`). ``cache`` "auto" and "paged" mean
+    "dynamic" here: the choice of the continuous-batching engine is made by
+    ``paged_generate.generate_auto`` (``init_inference(...).generate``).
     """
-    if cache in ("auto", "paged"):
-        why = paged_refusal(model, req, finished, all_done, sync)
-        if why is None:
-            from slipstream.inference.paged_generate import run_paged
-
-            return run_paged(model, req, runner=None if runner is None else runner())
-        if cache == "paged":
-            raise ConfigError(
-                f"generate: kv_cache='paged' cannot run this request: {why}; use "
-                "kv_cache='auto' (the static engine where the paged one does not apply) or "
-                "'dynamic'"
-            )
-        cache = "dynamic"
-    run_ = _driver(model, cache, finished, all_done is not None)
-    return decode(model, req, run_, cache=cache, finished=finished, all_done=all_done, sync=sync)
+    kind: hf.CacheKind = "dynamic" if cache in ("auto", "paged") else cache  # type: ignore[assignment]
+    run_ = _driver(model, kind, finished, all_done is not None)
+    return decode(model, req, run_, cache=kind, finished=finished, all_done=all_done, sync=sync)
 
 
 def generate(
@@ -173,7 +139,6 @@ def generate(
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
     sync: RankSync = ALONE,
-    runner: Callable[[], Any] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Hugging Face ``model.generate`` semantics: ``[batch, prompt + new]`` token ids.
@@ -189,10 +154,8 @@ def generate(
     Raises:
         ConfigError: before any model work, for every invalid request (see ``request.py``).
     """
-    req = _prepare(model, kwargs, max_out_tokens, sync)
-    return run(
-        model, req, cache=cache, finished=finished, all_done=all_done, sync=sync, runner=runner
-    )
+    req = prepare(model, kwargs, max_out_tokens, sync)
+    return run(model, req, cache=cache, finished=finished, all_done=all_done, sync=sync)
 
 
 def stream(
@@ -215,8 +178,8 @@ def stream(
             "through slipstream.inference.ContinuousBatchingEngine.step); use kv_cache='auto' "
             "or 'dynamic'"
         )
-    kind: hf.CacheKind = "dynamic" if cache == "auto" else cache
-    req = _prepare(model, kwargs, max_out_tokens, sync)
+    kind: hf.CacheKind = "dynamic" if cache == "auto" else cache  # type: ignore[assignment]
+    req = prepare(model, kwargs, max_out_tokens, sync)
     run_ = _driver(model, kind, finished, False)
 
     def steps() -> Iterator[torch.Tensor]:
