@@ -63,6 +63,7 @@ def generate_auto(
         ConfigError: ``cache="paged"`` and a request this engine cannot run, naming why.
     """
     if cache in ("auto", "paged"):
+        why: str | None
         if req.sampling.do_sample:
             why = "sampled rows keep the static engine's batch-wide generator draws"
         elif finished != "drop":
