@@ -250,8 +250,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time (steadier on a machine shared with other "
                         "jobs; use with --threads 1)")  # fmt: skip
-    parser.add_argument("--variants", nargs="+", default=["dynamic/drop"],
-                        help="slipstream cache/finished-rows pairs, e.g. static/mask; "
+    parser.add_argument("--variants", nargs="+", default=["auto/drop", "dynamic/drop"],
+                        help="slipstream kv_cache/finished_rows pairs (auto: the paged engine "
+                        "where it applies), e.g. static/mask; "
                         "graph/mask: enable_cuda_graph (CUDA only)")  # fmt: skip
     parser.add_argument("--gpt", default=None, metavar="PRESET",
                         help="time slipstream's reference GPT (tiny/small/25m) instead: "

@@ -4,6 +4,7 @@ the continuous-batching engine, same model, same trace, same greedy tokens.
     .venv/bin/python benchmarks/serve.py                 # the full trace
     .venv/bin/python benchmarks/serve.py --quick         # a smoke run (seconds)
     .venv/bin/python benchmarks/serve.py --requests 128 --rate 8 --batch 16 --model DIR
+    .venv/bin/python benchmarks/serve.py --repeats 5     # medians and spread of 5 replays
 
 The trace is seeded (``--seed``): ``--requests`` requests arriving as a Poisson process at
 ``--rate`` requests/s (``inf``: all at once), prompt and answer lengths drawn log-uniformly
@@ -28,7 +29,10 @@ arrival time has passed). Reported: generated tokens/s over the makespan (first 
 token), and per-token latency p50/p99: for every generated token, the time since the previous
 token of its request (for the first token: since the request arrived, so queueing counts).
 Ratios are against ``static``. Timings on a shared machine move with its load (printed);
-compare ratios from one run.
+compare ratios from one run. ``--repeats N`` replays the trace N times, the rows round-robin
+(static, HF, continuous, then again), and reports each row's median tokens/s, its spread
+(min-max over the replays), the median of the per-replay ratios to ``static`` and the
+median p50/p99 latencies; the tokens of every replay must equal the first static replay's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,13 +222,44 @@ def run(args: argparse.Namespace) -> list[Result]:
     print(f"model: {described}; {len(trace)} requests, {total} answer tokens, rate "
           f"{args.rate} req/s, batch {args.batch}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
-    static = StaticBatchingEngine(model, max_num_seqs=args.batch)
-    results = [run_engine("static", static, trace, SamplingParams)]
-    results.append(run_hf(model, trace, args.batch, pad))
-    engine = ContinuousBatchingEngine(model, max_num_seqs=args.max_num_seqs)
-    results.append(run_engine("continuous", engine, trace, SamplingParams))
-    print(format_table(results))
-    return results
+    replays: list[list[Result]] = []
+    for _ in range(args.repeats):
+        static = StaticBatchingEngine(model, max_num_seqs=args.batch)
+        results = [run_engine("static", static, trace, SamplingParams)]
+        results.append(run_hf(model, trace, args.batch, pad))
+        engine = ContinuousBatchingEngine(model, max_num_seqs=args.max_num_seqs)
+        results.append(run_engine("continuous", engine, trace, SamplingParams))
+        replays.append(results)
+    if args.repeats == 1:
+        print(format_table(replays[0]))
+    else:
+        print(format_repeats(replays))
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    return replays[0]
+
+
+def format_repeats(replays: list[list[Result]]) -> str:
+    """Medians and spread over the replays (tokens checked against the first static)."""
+    first = replays[0][0]
+    lines = [f"{len(replays)} replays: medians (min-max)",
+             f"{'engine':<12} {'tokens/s':>22} {'x static':>9} {'p50 ms':>8} {'p99 ms':>8} "
+             f"{'same tokens as static':>22}"]  # fmt: skip
+    for i, row in enumerate(replays[0]):
+        runs = [results[i] for results in replays]
+        if any(r.error for r in runs):
+            lines.append(f"{row.name:<12} {next(r.error for r in runs if r.error)}")
+            continue
+        tps = [r.tokens_per_s for r in runs]
+        ratio = statistics.median(r.tokens_per_s / rs[0].tokens_per_s
+                                  for r, rs in zip(runs, replays, strict=True))  # fmt: skip
+        same = min((compare(first, r) for r in runs), key=lambda s: int(s.split("/")[0]))
+        spread = f"{statistics.median(tps):.1f} ({min(tps):.1f}-{max(tps):.1f})"
+        lines.append(
+            f"{row.name:<12} {spread:>22} {ratio:>8.2f}x "
+            f"{statistics.median(r.latency_ms(0.5) for r in runs):>8.1f} "
+            f"{statistics.median(r.latency_ms(0.99) for r in runs):>8.1f} {same:>22}"
+        )
+    return "\n".join(lines)
 
 
 def format_table(results: list[Result]) -> str:
@@ -256,7 +292,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="replays of the trace (rows round-robin): medians and spread")  # fmt: skip
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats} must be >= 1")
     if args.quick:
         args.requests, args.prompt_len, args.answer_len = 8, (2, 12), (2, 12)
         args.rate, args.batch, args.threads = math.inf, 4, 1

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from slipstream.inference.paged import NoFreeBlocks, PagedKVCache
-from slipstream.inference.paged_models import runner_for
+from slipstream.inference.paged_models import Runner, runner_for
 
 # The request types are the serving interface's, which this engine implements.
 from slipstream.inference.serving.protocol import RequestOutput, SamplingParams
@@ -84,6 +84,8 @@ class ContinuousBatchingEngine:
         max_tokens_per_step: token budget of one forward (decodes plus prefill chunks).
         max_model_len: longest prompt plus answer (None: the model's context).
         dtype: dtype of the cached keys and values (None: the model's).
+        runner: ``model``'s paged forward (``paged_models.runner_for(model)``) to reuse,
+            with its packed weights; None prepares one.
 
     Raises:
         ConfigError: a model the paged forward does not drive, or a bad setting.
@@ -99,10 +101,13 @@ class ContinuousBatchingEngine:
         max_tokens_per_step: int = 512,
         max_model_len: int | None = None,
         dtype: torch.dtype | None = None,
+        runner: Runner | None = None,
     ) -> None:
         from slipstream.config._errors import ConfigError
 
-        self.runner = runner = runner_for(model)
+        if runner is not None and runner.model is not model:
+            raise ConfigError("ContinuousBatchingEngine: runner= was prepared for another model")
+        self.runner = runner = runner if runner is not None else runner_for(model)
         context = runner.context
         if max_model_len is None:
             if context is None:

@@ -174,10 +174,13 @@ class InferenceConfig(StrictModel):
     """Tensor-parallel size the checkpoint was trained with (must be 1 for now)."""
     keep_module_on_host: bool = False
     """Accepted: the model stays on its device (CPU models stay on the CPU)."""
-    kv_cache: Literal["dynamic", "static"] = "dynamic"
-    """(slipstream) The transformers cache class generation uses: "dynamic" (grows by one
-    column a step) or "static" (preallocated for prompt plus new tokens). Both give the
-    same tokens; docs/inference.md has the timings behind the default."""
+    kv_cache: Literal["auto", "paged", "dynamic", "static"] = "auto"
+    """(slipstream) The KV cache ``generate`` decodes with: "paged" runs the request on the
+    continuous-batching engine (paged KV cache; greedy requests of a model it drives, one
+    process, refused otherwise with the reason), "dynamic" / "static" run the static loop on
+    the transformers cache class of that name, "auto" is "paged" where it applies and
+    "dynamic" elsewhere (``slipstream.inference.generation``). All give the same greedy
+    tokens up to fp32 rounding; docs/inference.md has the timings behind the default."""
     cpu_half_gemm: Literal["auto", "native", "fp32"] = "auto"
     """(slipstream) How bf16/fp16 linear layers on the CPU multiply batches of rows: "fp32"
     computes them in fp32 from the half-precision weights (faster where the CPU has no

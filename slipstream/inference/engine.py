@@ -4,8 +4,9 @@
 ``tp_size`` the heads or the job cannot take is refused here, before any work), load
 ``checkpoint``, cast to ``dtype``, split over the tensor-parallel group (``parallel.py``),
 quantize (``quant``, or ``dtype="int8"``), ``eval()`` with gradients off. The engine then
-only sequences: ``forward`` is the module's, ``generate`` and ``stream`` run slipstream's
-decode loop (``generation.py``) with the engine's limits.
+only sequences: ``forward`` is the module's, ``generate`` runs the continuous-batching
+engine where it applies and slipstream's static decode loop otherwise, ``stream`` the static
+loop (``generation.py``), with the engine's limits.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class InferenceEngine:
         self.module = module
         self.config = config
         self._sync = sync if sync is not None else RankSync()
+        self._paged: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, without autograd."""
@@ -118,7 +120,24 @@ class InferenceEngine:
         See :func:`slipstream.inference.generate` for the arguments; the prompt plus new
         tokens may not exceed ``max_out_tokens``.
         """
-        return generation.generate(self.module, **self._args(args, kwargs))
+        from slipstream.inference.paged_generate import generate_auto
+
+        kw = self._args(args, kwargs)
+        cache, finished, sync = kw.pop("cache"), kw.pop("finished"), kw.pop("sync")
+        max_out_tokens = kw.pop("max_out_tokens")
+        req = generation.prepare(self.module, kw, max_out_tokens, sync)
+        return generate_auto(
+            self.module, req, cache=cache, finished=finished, sync=sync, runner=self._runner
+        )
+
+    def _runner(self) -> Any:
+        """The module's paged forward, prepared on first use and kept (its packed weights
+        are rebuilt only when a weight changes, see ``fused.py``)."""
+        if self._paged is None:
+            from slipstream.inference.paged_models import runner_for
+
+            self._paged = runner_for(self.module)
+        return self._paged
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[torch.Tensor]:
         """Yield each step's tokens ``[batch]`` as they are produced (same arguments)."""

@@ -8,6 +8,15 @@ one for a model (:func:`driver_for`), and reads the keywords once (:func:`genera
 :func:`stream`); callers inside the package that already hold a typed
 :class:`~slipstream.models.decoding.GenerationRequest` use :func:`run`.
 
+``init_inference(...).generate`` runs on the continuous-batching engine
+(``paged_generate.generate_auto``: every row a request on the paged KV cache, LLaMA-family projections
+fused and pre-packed on the CPU) where that applies: ``kv_cache="auto"`` (the engine's
+default) picks it for greedy requests of a model the paged forward drives, on one process,
+with finished rows dropped and no streamer or stop strings; everything else (sampling,
+tensor parallelism, ``finished_rows="mask"``, ...) runs the static loop below, as
+``kv_cache="dynamic"`` always does. ``kv_cache="paged"`` asks for the paged engine and
+refuses a request it cannot run, naming why.
+
 Finished rows stop costing compute: by default they are dropped from the batch and from the
 cache (``finished="drop"``); ``finished="mask"`` keeps them in the batch (feeding the pad
 token), which is what Hugging Face ``generate`` does. Both give the same tokens (greedy);
@@ -17,7 +26,7 @@ docs/inference.md has the measurement that picked the default.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -39,14 +48,18 @@ from slipstream.models.gpt import GPT
 from slipstream.models.gpt_generation import check_generation_ready
 
 __all__ = [
+    "CacheChoice",
     "FinishedRows",
     "ModelDriver",
     "RankSync",
     "driver_for",
     "generate",
+    "prepare",
     "run",
     "stream",
 ]
+
+CacheChoice = Literal["auto", "paged", "dynamic", "static", "graph"]
 
 _HF = ModelDriver(hf.last_logits, hf.make_cache, hf.select_rows, hf.context_length)
 _GRAPH = ModelDriver(
@@ -86,7 +99,7 @@ def _driver(model: nn.Module, cache: hf.CacheKind, finished: FinishedRows, locks
     return run
 
 
-def _prepare(
+def prepare(
     model: nn.Module, kwargs: dict[str, Any], max_out_tokens: int | None, sync: RankSync
 ) -> GenerationRequest:
     req = build_request(
@@ -102,23 +115,27 @@ def run(
     model: nn.Module,
     req: GenerationRequest,
     *,
-    cache: hf.CacheKind = "dynamic",
+    cache: CacheChoice = "dynamic",
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
     sync: RankSync = ALONE,
 ) -> torch.Tensor:
-    """Decode a typed request on ``model`` (a GPT or a Hugging Face causal LM):
-    ``[batch, prompt + new]`` token ids. ``all_done`` keeps processes in lock-step (see
-    :func:`~slipstream.models.decoding.decode_steps`)."""
-    run_ = _driver(model, cache, finished, all_done is not None)
-    return decode(model, req, run_, cache=cache, finished=finished, all_done=all_done, sync=sync)
+    """Decode a typed request on ``model`` (a GPT or a Hugging Face causal LM) with the static
+    loop: ``[batch, prompt + new]`` token ids. ``all_done`` keeps processes in lock-step (see
+    :func:`~slipstream.models.decoding.decode_steps`). ``cache`` "auto" and "paged" mean
+    "dynamic" here: the choice of the continuous-batching engine is made by
+    ``paged_generate.generate_auto`` (``init_inference(...).generate``).
+    """
+    kind: hf.CacheKind = "dynamic" if cache in ("auto", "paged") else cache  # type: ignore[assignment]
+    run_ = _driver(model, kind, finished, all_done is not None)
+    return decode(model, req, run_, cache=kind, finished=finished, all_done=all_done, sync=sync)
 
 
 def generate(
     model: nn.Module,
     *,
     max_out_tokens: int | None = None,
-    cache: hf.CacheKind = "dynamic",
+    cache: CacheChoice = "dynamic",
     finished: FinishedRows = "drop",
     all_done: Callable[[bool], bool] | None = None,
     sync: RankSync = ALONE,
@@ -137,7 +154,7 @@ def generate(
     Raises:
         ConfigError: before any model work, for every invalid request (see ``request.py``).
     """
-    req = _prepare(model, kwargs, max_out_tokens, sync)
+    req = prepare(model, kwargs, max_out_tokens, sync)
     return run(model, req, cache=cache, finished=finished, all_done=all_done, sync=sync)
 
 
@@ -145,7 +162,7 @@ def stream(
     model: nn.Module,
     *,
     max_out_tokens: int | None = None,
-    cache: hf.CacheKind = "dynamic",
+    cache: CacheChoice = "dynamic",
     finished: FinishedRows = "drop",
     sync: RankSync = ALONE,
     **kwargs: Any,
@@ -155,12 +172,19 @@ def stream(
     The arguments are validated when this is called, before the first token is asked for.
     Concatenating the yielded tensors gives ``generate(...)[:, prompt_len:]``.
     """
-    req = _prepare(model, kwargs, max_out_tokens, sync)
-    run_ = _driver(model, cache, finished, False)
+    if cache == "paged":
+        raise ConfigError(
+            "stream: kv_cache='paged' does not stream (the continuous-batching engine streams "
+            "through slipstream.inference.ContinuousBatchingEngine.step); use kv_cache='auto' "
+            "or 'dynamic'"
+        )
+    kind: hf.CacheKind = "dynamic" if cache == "auto" else cache  # type: ignore[assignment]
+    req = prepare(model, kwargs, max_out_tokens, sync)
+    run_ = _driver(model, kind, finished, False)
 
     def steps() -> Iterator[torch.Tensor]:
         with torch.inference_mode():
-            for tokens in decode_steps(model, req, run_, cache=cache, finished=finished, sync=sync):
+            for tokens in decode_steps(model, req, run_, cache=kind, finished=finished, sync=sync):
                 yield tokens.clone()
 
     return steps()

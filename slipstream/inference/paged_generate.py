@@ -16,15 +16,18 @@ batch-wide generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from slipstream.config._errors import ConfigError
+from slipstream.inference import generation
 from slipstream.inference.batching import ContinuousBatchingEngine
-from slipstream.inference.paged_models import runner_for
-from slipstream.models.decoding import GenerationRequest
+from slipstream.inference.paged_models import Runner, runner_for
+from slipstream.models.decoding import FinishedRows, GenerationRequest, RankSync
 
-__all__ = ["paged_refusal", "run_paged"]
+__all__ = ["generate_auto", "paged_refusal", "run_paged"]
 
 
 def paged_refusal(model: nn.Module, req: GenerationRequest) -> str | None:
@@ -36,10 +39,48 @@ def paged_refusal(model: nn.Module, req: GenerationRequest) -> str | None:
     if model.training:
         return "the model is in training mode (the paged forward applies no attention dropout)"
     try:
-        runner_for(model)
+        runner_for(model, fuse=False)  # the refusal only: no weights packed
     except ConfigError as e:
         return str(e)
     return None
+
+
+def generate_auto(
+    model: nn.Module,
+    req: GenerationRequest,
+    *,
+    cache: generation.CacheChoice,
+    finished: FinishedRows,
+    sync: RankSync,
+    runner: Callable[[], Runner] | None = None,
+) -> torch.Tensor:
+    """``init_inference(...).generate``'s choice: with ``cache`` "auto" or "paged", greedy
+    requests of one process with finished rows dropped run here (``runner`` returns the
+    model's paged forward to reuse, called only then); the rest, and every other ``cache``,
+    run the static loop (``generation.run``).
+
+    Raises:
+        ConfigError: ``cache="paged"`` and a request this engine cannot run, naming why.
+    """
+    if cache in ("auto", "paged"):
+        why: str | None
+        if req.sampling.do_sample:
+            why = "sampled rows keep the static engine's batch-wide generator draws"
+        elif finished != "drop":
+            why = f"finished_rows={finished!r} keeps finished rows in the batch"
+        elif type(sync) is not RankSync:  # the base class does nothing: one process
+            why = "several processes generate in lock-step"
+        else:
+            why = paged_refusal(model, req)
+        if why is None:
+            return run_paged(model, req, runner=None if runner is None else runner())
+        if cache == "paged":
+            raise ConfigError(
+                f"generate: kv_cache='paged' cannot run this request: {why}; use "
+                "kv_cache='auto' (the static loop where the paged engine does not apply) or "
+                "'dynamic'"
+            )
+    return generation.run(model, req, cache=cache, finished=finished, sync=sync)
 
 
 def _row_generators(req: GenerationRequest, device: torch.device) -> list[torch.Generator | None]:
@@ -57,12 +98,14 @@ def run_paged(
     *,
     block_size: int = 16,
     max_tokens_per_step: int = 2048,
+    runner: Runner | None = None,
 ) -> torch.Tensor:
     """Decode ``req`` on the paged engine: ``[batch, prompt + new]`` token ids, rows that
     ended early padded with ``req.pad_token_id``, as long as the longest row (the static
     engine's output). Every model call is local: ZeRO-3 must have gathered the parameters
     (the hybrid engine's pinned mode), as the per-layer gathers of unpinned ZeRO-3 are not
-    run by the paged forward.
+    run by the paged forward. ``runner``: ``model``'s paged forward to reuse (its packed
+    weights, see ``fused.py``), instead of preparing a new one.
     """
     b, t = req.input_ids.shape
     prompts = [
@@ -71,7 +114,7 @@ def run_paged(
     longest = max(len(p) for p in prompts) + req.max_new_tokens
     engine = ContinuousBatchingEngine(
         model, block_size=block_size, max_num_seqs=b, max_tokens_per_step=max_tokens_per_step,
-        max_model_len=longest, num_blocks=b * -(-longest // block_size),
+        max_model_len=longest, num_blocks=b * -(-longest // block_size), runner=runner,
     )  # fmt: skip
     stops = set(req.eos_token_ids)
     gens = _row_generators(req, engine.runner.device)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from slipstream.config._errors import ConfigError
+from slipstream.inference.fused import FusedLlama, fuse_llama
 from slipstream.inference.paged import PagedKVCache
 
 __all__ = ["Runner", "runner_for"]
@@ -48,6 +49,8 @@ class Runner:
     head_dim: int
     context: int | None
     vocab_size: int
+    fused: FusedLlama | None = None
+    """LLaMA family, fp32 on the CPU: the fused, packed projections (``fused.py``)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,9 +63,14 @@ class Runner:
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         """Final hidden states ``[tokens, hidden]`` of flat ``ids``/``pos`` ``[tokens]``
         (the cache's layout planned for them)."""
+        if self.fused is not None:
+            self.fused.refresh()  # rebuilt only when a weight changed
+            return _llama(self.model, ids, pos, cache, self.fused)
         return _FORWARDS[self.kind](self.model, ids, pos, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.head is not None:
+            return self.fused.head(hidden)
         head: Any = self.model.get_submodule("lm_head")
         return head(hidden)  # type: ignore[no-any-return]
 
@@ -85,7 +93,13 @@ def _gpt(model: Any, ids: torch.Tensor, pos: torch.Tensor, cache: PagedKVCache) 
     return model.norm(x)  # type: ignore[no-any-return]
 
 
-def _llama(model: Any, ids: torch.Tensor, pos: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+def _llama(
+    model: Any,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    cache: PagedKVCache,
+    fused: FusedLlama | None = None,
+) -> torch.Tensor:
     body = model.model
     x = body.embed_tokens(ids)
     cos, sin = body.rotary_emb(x.unsqueeze(0), pos.unsqueeze(0))
@@ -93,13 +107,18 @@ def _llama(model: Any, ids: torch.Tensor, pos: torch.Tensor, cache: PagedKVCache
     for i, layer in enumerate(body.layers):
         attn, h = layer.self_attn, layer.input_layernorm(x)
         d = attn.head_dim
-        q, k = _heads(attn.q_proj(h), d), _heads(attn.k_proj(h), d)
+        if fused is not None:
+            q, k, v = fused.attention_inputs(i, h)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q, k, v = _heads(q, d), _heads(k, d), _heads(v, d)
         if hasattr(attn, "q_norm"):  # qwen3: a norm over each head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        y = cache.attend(i, q, k, _heads(attn.v_proj(h), d), attn.scaling)
-        x = x + attn.o_proj(y.flatten(1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        y = cache.attend(i, q, k, v, attn.scaling).flatten(1)
+        x = x + (attn.o_proj(y) if fused is None else fused.attention_output(i, y))
+        h = layer.post_attention_layernorm(x)
+        x = x + (layer.mlp(h) if fused is None else fused.mlp(i, h))
     return body.norm(x)  # type: ignore[no-any-return]
 
 
@@ -156,8 +175,9 @@ def _refuse(model: nn.Module, why: str) -> ConfigError:
     )
 
 
-def runner_for(model: nn.Module) -> Runner:
-    """The paged forward of ``model``.
+def runner_for(model: nn.Module, *, fuse: bool = True) -> Runner:
+    """The paged forward of ``model``; ``fuse``: LLaMA-family models in fp32 on the CPU run
+    their projections fused and pre-packed (``fused.py``; one more copy of their weights).
 
     Raises:
         ConfigError: a model type the paged engine does not drive, or a setting of a
@@ -182,7 +202,8 @@ def runner_for(model: nn.Module) -> Runner:
             context = int(window)  # attention is full inside the window: cap the length there
         kv = attn.k_proj.weight.shape[0] // attn.head_dim
         layers = len(m.model.layers)
-        return Runner(model, "llama", layers, kv, int(attn.head_dim), context, config.vocab_size)
+        return Runner(model, "llama", layers, kv, int(attn.head_dim), context, config.vocab_size,
+                      fuse_llama(model) if fuse else None)  # fmt: skip
     if kind == "gpt2":
         if getattr(config, "add_cross_attention", False):
             raise _refuse(model, "has cross-attention (add_cross_attention=True)")

@@ -31,3 +31,13 @@ def test_quick_trace_is_seeded_and_every_row_reports_the_same_greedy_tokens(caps
     assert "x static" in out and "8/8" in out
     if continuous.error:
         assert "not available" in out
+
+
+def test_repeats_report_medians_and_spread(capsys) -> None:
+    """``--repeats 2`` replays the trace twice per row and prints medians with their spread;
+    every replay's tokens equal the first static replay's."""
+    run(parse_args(["--quick", "--repeats", "2"]))
+    out = capsys.readouterr().out
+    assert "2 replays: medians (min-max)" in out
+    rows = [line for line in out.splitlines() if line.startswith(("static", "hf-", "contin"))]
+    assert len(rows) == 3 and all(line.endswith("8/8") for line in rows), out
