@@ -126,13 +126,6 @@ class ShardedStore:
             )
         self.install_hooks()
 
-    def wait_pending(self) -> None:
-        """Finish every all-gather in flight (prefetches of units that never ran)."""
-        for unit in self.units:
-            for work in unit.pending:
-                work.wait()
-            unit.pending = []
-
     def _finish_at_exit(self, deadline: float | None) -> None:
         """At exit: finish the all-gathers in flight, each until ``deadline`` at most (a peer
         that neither takes part nor exits must not hold this process forever)."""
