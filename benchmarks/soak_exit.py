@@ -5,6 +5,7 @@ Usage::
     python benchmarks/soak_exit.py --cycles 300                 # the regression soak
     python benchmarks/soak_exit.py --cycles 40 --busy 2         # with a busy loop per core
     python benchmarks/soak_exit.py --cycles 100 --cores --keep /tmp/soak   # keep core dumps
+    python benchmarks/soak_exit.py --mode fork --cycles 2000 --minutes 30  # as many as fit
 
 Each cycle is one 2-rank job of a tiny GPT at ZeRO-3 (gloo on CPU) that loads the previous
 cycle's checkpoint when there is one, trains two steps, saves a checkpoint (synchronously, or

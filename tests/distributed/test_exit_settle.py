@@ -126,7 +126,7 @@ def test_exit_waits_for_work_in_flight_at_most_the_exit_timeout(tmp_path) -> Non
     took = float((tmp_path / "rank0-done").read_text())
     log = (tmp_path / "rank0.log").read_text()
     assert "gave up waiting for the all-gather of parameter unit" in log, log
-    assert took < 10, f"rank 0's exit hooks took {took} s"
+    assert took < 12, f"rank 0's exit hooks took {took} s"  # before: >= 15 s (rank 1 exits)
 
 
 _STUCK = """
