@@ -5,6 +5,7 @@ Usage::
     python benchmarks/soak_exit.py --cycles 300                 # the regression soak
     python benchmarks/soak_exit.py --cycles 40 --busy 2         # with a busy loop per core
     python benchmarks/soak_exit.py --cycles 100 --cores --keep /tmp/soak   # keep core dumps
+    python benchmarks/soak_exit.py --mode fork --cycles 2000 --minutes 30  # as many as fit
 
 Each cycle is one 2-rank job of a tiny GPT at ZeRO-3 (gloo on CPU) that loads the previous
 cycle's checkpoint when there is one, trains two steps, saves a checkpoint (synchronously, or
@@ -51,6 +52,8 @@ import atexit, faulthandler, os, signal, sys, time, torch
 import slipstream
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the soak asks a hung rank for stacks
+# Registered first, so it runs last of the exit hooks (and the one below first).
+atexit.register(lambda: print(f"exit hooks done at {time.time():.3f}", flush=True))
 from slipstream.models import GPT, GPTConfig
 
 directory, variant, cycle = sys.argv[-3], sys.argv[-2], int(sys.argv[-1])
@@ -126,18 +129,25 @@ def _fork_cycle(
         pids.append(pid)
     deadline = time.monotonic() + timeout_s
     codes: dict[int, int] = {}
+    ended: dict[int, float] = {}
     while len(codes) < len(pids):
         for pid in pids:
             if pid not in codes:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done == pid:
                     codes[pid] = os.waitstatus_to_exitcode(status)
+                    ended[pid] = time.time()
         if time.monotonic() > deadline:
+            notes = [f"[soak] rank {pids.index(p)} (pid {p}) ended at {ended[p]:.3f}, code {codes[p]}"
+                     for p in pids if p in codes]  # fmt: skip
             for pid in set(pids) - set(codes):
+                notes.append(
+                    f"[soak] rank {pids.index(pid)} (pid {pid}) alive at {time.time():.3f}"
+                )
                 _dump_stacks(pid, work / f"stacks-{pid}.txt")
                 os.kill(pid, signal.SIGKILL)
                 codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            return None, _logs(work)
+            return None, _logs(work) + "\n".join(notes) + "\n"
         time.sleep(0.05)
     bad = [c for c in (codes[p] for p in pids) if c != 0]
     # As a shell reports a signal: 128 + its number (SIGABRT: 134).
@@ -146,12 +156,13 @@ def _fork_cycle(
 
 
 def _proc_threads(pid: int) -> str:
-    """Each thread's name, state, kernel wait channel and current system call from /proc:
-    cheap and without ptrace, so it works when gdb cannot attach in time on a loaded machine."""
+    """Each thread's name, state, kernel wait channel, current system call and (as root)
+    kernel stack from /proc: cheap and without ptrace, so it works when gdb cannot attach in
+    time on a loaded machine."""
     lines = []
     for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
         fields = []
-        for name in ("comm", "wchan", "syscall"):
+        for name in ("comm", "wchan", "syscall", "stack"):
             try:
                 fields.append(Path(f"/proc/{pid}/task/{tid}/{name}").read_text().strip())
             except OSError as err:
@@ -160,36 +171,49 @@ def _proc_threads(pid: int) -> str:
             state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             state = "?"
+        kernel = " <- ".join(f.split()[-1] for f in fields[3].splitlines()[:6])
         lines.append(
             f"thread {tid} {fields[0]!r} state {state} wchan {fields[1]} syscall {fields[2]}"
+            f" kernel {kernel}"
         )
     return "\n".join(lines) + "\n"
 
 
+def _run_tool(cmd: list[str], timeout_s: float) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        return done.stdout + done.stderr
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{cmd[0]} failed: {err}\n"
+
+
 def _dump_stacks(pid: int, out: Path) -> None:
     """Every thread of a hung rank before it is killed: /proc's view of each thread, then its
-    native stack (gdb, when installed; 600 s, since attaching takes minutes under load)."""
+    native and Python stacks (py-spy, when installed: seconds), then gdb's (when installed;
+    600 s, since attaching takes minutes under load), then Python's from the rank itself."""
     try:
         text = _proc_threads(pid)
     except OSError as err:
         text = f"/proc/{pid}: {err}\n"
     out.write_text(text)
-    # Then Python's stacks into the rank's log (faulthandler, registered by the script; after
-    # interpreter finalization SIGUSR1 ends the process instead, hence /proc's view first).
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is not None:
+        text += "--- py-spy dump --native\n" + _run_tool(
+            [spy, "dump", "--native", "--pid", str(pid)], 300
+        )
+        out.write_text(text)
+    gdb = shutil.which("gdb")
+    if gdb is not None:
+        cmd = [gdb, "-batch", "-p", str(pid), "-ex", "thread apply all bt 30"]
+        text += "--- gdb\n" + _run_tool(cmd, 600)
+        out.write_text(text)
+    # Last, Python's stacks into the rank's log (faulthandler, registered by the script):
+    # after interpreter finalization SIGUSR1 ends the process instead.
     try:
         os.kill(pid, signal.SIGUSR1)
         time.sleep(3)
     except ProcessLookupError:
-        return
-    gdb = shutil.which("gdb")
-    if gdb is None:
-        return
-    cmd = [gdb, "-batch", "-p", str(pid), "-ex", "thread apply all bt 30"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        out.write_text(text + done.stdout + done.stderr)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        out.write_text(text + f"gdb failed: {err}")
+        pass
 
 
 def _logs(work: Path) -> str:
@@ -249,6 +273,8 @@ def soak(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         for cycle in range(args.cycles):
+            if args.minutes and time.monotonic() - start > args.minutes * 60:
+                break
             variant = variants[cycle % len(variants)]
             code, out = run(script, work, variant, cycle, args.timeout, args.cores)
             codes[variant][str(code)] += 1
@@ -287,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="sync,async", help="sync, async or both")
     parser.add_argument("--mode", choices=["launch", "fork"], default="launch")
     parser.add_argument("--busy", type=int, default=0, help="busy-loop processes beside the job")
+    parser.add_argument("--minutes", type=float, default=0, help="stop after this long")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per cycle")
     parser.add_argument("--cores", action="store_true", help="let the ranks dump core")
     parser.add_argument("--keep", default=None, help="directory for outputs (default: a temp)")

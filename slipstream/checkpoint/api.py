@@ -42,6 +42,7 @@ from slipstream.checkpoint.format import (
     write_pieces,
 )
 from slipstream.checkpoint.from_deepspeed import DeepSpeedReader, check_optimizer, is_deepspeed_tag
+from slipstream.checkpoint.in_flight import IN_FLIGHT
 from slipstream.checkpoint.state import collect_state, restore_state, shared_parameter_names
 from slipstream.config.schema import SlipstreamConfig
 from slipstream.distributed import comm
@@ -261,6 +262,7 @@ def save_checkpoint(
             target=pending.write_shard, name="slipstream-checkpoint", daemon=True
         )
         pending.thread.start()
+        IN_FLIGHT.add(pending)
         return pending
     pending.write_shard()
     _commit(engine, pending)
@@ -325,6 +327,7 @@ def finish_save(engine: TrainingState, pending: PendingSave) -> None:
     """Commit an asynchronous save still in flight (every rank must call it)."""
     if pending.thread is not None:
         pending.thread.join()
+    IN_FLIGHT.discard(pending)
     _commit(engine, pending)
 
 

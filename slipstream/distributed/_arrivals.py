@@ -167,6 +167,12 @@ class ArrivalBoard:
         thread = self._thread
         if join and thread is not None and thread.is_alive():
             thread.join(_STOP_JOIN_S)
+            if thread.is_alive():  # a daemon: finalization ends it; say what it still does
+                logger.warning(
+                    "the arrival-record thread was still inside a store call %.0f s after it was "
+                    "asked to stop (the job's store is slow or gone); exiting without it",
+                    _STOP_JOIN_S,
+                )
 
     def peers(self, arrival: Arrival, ranks: list[int]) -> list[PeerState] | None:
         """The records of ``ranks`` for ``arrival``'s group, after one publishing interval

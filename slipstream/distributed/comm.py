@@ -13,10 +13,12 @@ did not arrive (:mod:`slipstream.distributed.timeouts`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import re
 import socket
+import sys
 import time
 import weakref
 from collections import defaultdict
@@ -29,7 +31,14 @@ import torch.distributed as dist
 from slipstream._logging import logger
 from slipstream.accelerator import get_accelerator
 from slipstream.distributed._arrivals import arrivals
-from slipstream.distributed._exit import first_difference, settle_comm_threads
+from slipstream.distributed._exit import (
+    DEFAULT_EXIT_TIMEOUT_S,
+    arm_exit_watchdog,
+    exit_timeout_s,
+    first_difference,
+    settle_comm_threads,
+    wait_at_exit,
+)
 from slipstream.distributed.counters import (
     comm_counters,
     log_summary,
@@ -89,6 +98,7 @@ __all__ = [
     "send",
     "set_ranks_per_node",
     "summary_table",
+    "wait_at_exit",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -143,6 +153,7 @@ def init_distributed(
     if acc.device_name() != "cpu" and backend != "gloo":
         acc.set_device(get_local_rank())
     timeout = timeout or comm_timeout()
+    exit_timeout_s()  # refuse a bad SLIPSTREAM_EXIT_TIMEOUT now, not at exit
     note_timeout_in_use(timeout)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if init_method is not None:
@@ -160,27 +171,41 @@ _EXIT_HOOKS: list[Any] = []  # weak references to callables that finish in-fligh
 
 
 def at_exit(method: Any) -> None:
-    """Run ``method`` (a bound method, held weakly) before the process group is torn down at
-    interpreter exit: e.g. wait for prefetch all-gathers still in flight."""
+    """Run ``method(deadline)`` (a bound method, held weakly) before the process group is torn
+    down at interpreter exit: e.g. wait for prefetch all-gathers still in flight. ``deadline``
+    (``time.monotonic()``, or None for no limit) is when every such wait must give up."""
     _EXIT_HOOKS.append(weakref.WeakMethod(method))
 
 
 def _shutdown() -> None:
-    """At exit: finish in-flight collectives, then destroy the process group slipstream made.
+    """At exit: finish in-flight work (each wait bounded by ``SLIPSTREAM_EXIT_TIMEOUT``),
+    destroy the process group slipstream made, let gloo's threads settle, then arm a watchdog
+    that ends the process if finalization is still stuck after that timeout.
 
     Tearing a gloo group down while asynchronous work is pending aborts the process
     ("terminate called without an active exception") when the script did not call
     ``engine.destroy()`` / ``destroy_process_group()`` itself.
     """
+    try:
+        limit = exit_timeout_s()
+    except ValueError as err:  # init_distributed refused it; changed since
+        logger.warning("%s", err)
+        limit = DEFAULT_EXIT_TIMEOUT_S
+    deadline = time.monotonic() + limit if limit > 0 else None
+    who = f"rank {get_rank()}" if get_world_size() > 1 else "this process"
     for ref in _EXIT_HOOKS:
         hook = ref()
         if hook is not None:
             try:
-                hook()
+                hook(deadline)
             except Exception as e:  # a peer already gone: nothing left to finish
                 logger.debug("exit hook failed: %s", e)
     destroy_process_group()
     settle_comm_threads()
+    for stream in (sys.stdout, sys.stderr):  # what finalization would flush, before any kill
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()
+    arm_exit_watchdog(limit, who)
 
 
 def destroy_process_group() -> None:
@@ -273,11 +298,12 @@ class _Finish:
     def __init__(self, work: dist.Work | None, finish: Any) -> None:
         self.work, self.finish, self.done = work, finish, False
 
-    def wait(self) -> bool:
+    def wait(self, *timeout: Any) -> bool:
+        """``timeout`` (a ``timedelta``) bounds the wait for the collective, as torch's."""
         if not self.done:
             if self.work is not None:
-                self.work.wait()
-            self.finish()
+                self.work.wait(*timeout)
+            self.finish(*timeout)
             self.done = True
         return True
 
@@ -332,7 +358,7 @@ def reduce_scatter_tensor(
             call, lambda: dist.all_to_all_single(scratch, input, group=group, async_op=True)
         )
 
-        def finish() -> None:
+        def finish(*_timeout: Any) -> None:
             torch.sum(scratch.view(world, -1), dim=0, out=output)
             _scratch.give(scratch)
 

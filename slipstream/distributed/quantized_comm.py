@@ -51,11 +51,11 @@ def all_gather_quantized(
     w1 = all_gather_into_tensor(codes, q.codes, group, async_op=True, label=label)
     w2 = all_gather_into_tensor(scales, q.scales, group, async_op=True, label=label)
 
-    def finish() -> None:
+    def finish(*timeout: Any) -> None:
         if w1 is not None:
-            w1.wait()
+            w1.wait(*timeout)
         if w2 is not None:
-            w2.wait()
+            w2.wait(*timeout)
         c, sc = codes.view(k, -1), scales.view(k, -1)
         for r in range(k):
             part = QuantizedBlocks(c[r], sc[r], n, bits, block)

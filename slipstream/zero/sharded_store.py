@@ -98,7 +98,7 @@ class ShardedStore:
         self.handles: list[Any] = []
         self.order = UnitOrder()
         self.secondary: SecondaryShards | None = None  # hpZ, from activate()
-        comm.at_exit(self.wait_pending)
+        comm.at_exit(self._finish_at_exit)
 
     def _first_shard(self, b: Bucket) -> torch.Tensor:
         if b.flat.untyped_storage().nbytes():
@@ -132,11 +132,13 @@ class ShardedStore:
             )
         self.install_hooks()
 
-    def wait_pending(self) -> None:
-        """Finish every all-gather in flight (prefetches of units that never ran)."""
+    def _finish_at_exit(self, deadline: float | None) -> None:
+        """At exit: finish the all-gathers in flight, each until ``deadline`` at most (a peer
+        that neither takes part nor exits must not hold this process forever)."""
         for unit in self.units:
-            for work in unit.pending:
-                work.wait()
+            for b, work in zip(unit.buckets, unit.pending):
+                what = f"the all-gather of parameter unit {unit.index} ('param_unit{b}')"
+                comm.wait_at_exit(work, what, deadline)
             unit.pending = []
 
     def own_(self, p: nn.Parameter, unit: Unit) -> None:

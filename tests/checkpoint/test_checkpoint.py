@@ -8,7 +8,7 @@ import torch
 
 from slipstream.checkpoint import CheckpointReader
 from tests.checkpoint import _workloads as w
-from tests.distributed.harness import run_world
+from tests.distributed.harness import run_code, run_world
 
 
 def _exact(tmp_path, stage, bf16):
@@ -80,6 +80,28 @@ def test_a_rank_that_does_not_call_save_is_named(tmp_path):
     msg = results[0]
     # Rank 1's process ends after it skipped the call: the survivor says so at once.
     assert "save_checkpoint: rank 1 is gone: its connection closed" in msg, msg
+
+
+_UNCOMMITTED = """
+import slipstream
+from slipstream.models import GPT, GPTConfig
+config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "checkpoint": {"async_save": True}}
+engine = slipstream.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)[0]
+engine.save_checkpoint(SAVE_DIR, tag="t")  # then the script ends: no destroy, no wait
+"""
+
+
+def test_async_save_never_committed_is_reported_at_exit(tmp_path):
+    """A script that ends with an async save in flight: at exit the writer thread finishes
+    its file (finalization does not stop it mid-write) and a warning says the checkpoint was
+    not committed (it used to vanish silently)."""
+    done = run_code(_UNCOMMITTED.replace("SAVE_DIR", repr(str(tmp_path))), timeout_s=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "save_checkpoint(" in done.stderr and "was never committed" in done.stderr, done.stderr[
+        -2000:
+    ]
+    assert not (tmp_path / "t").exists() and not (tmp_path / "latest").exists()
 
 
 def test_async_save_snapshots_the_state_and_commits_later(tmp_path):

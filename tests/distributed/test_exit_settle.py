@@ -6,6 +6,7 @@ aborted the process ("terminate called without an active exception", exit 134).
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import threading
@@ -68,3 +69,103 @@ def test_exit_settles_after_destroying_the_process_group(tmp_path) -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "settled [True]" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def _pending_gather_at_exit(outdir: str) -> None:
+    """Rank 0 exits with an all-gather in flight that rank 1 never joins; rank 1 stays alive
+    (in an exit hook) until rank 0's exit hooks are done, or 15 s."""
+    import atexit
+    import logging
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.models import GPT, GPTConfig
+
+    os.environ["SLIPSTREAM_EXIT_TIMEOUT"] = "1"
+    done = Path(outdir) / "rank0-done"
+    rank = dist.get_rank()
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine = slipstream.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)[0]
+    times: dict[str, float] = {}
+    if rank == 0:
+        handler = logging.FileHandler(Path(outdir) / "rank0.log")
+        logging.getLogger("slipstream").addHandler(handler)
+        atexit.register(lambda: done.write_text(f"{time.monotonic() - times['start']:.2f}"))
+    atexit.register(comm._shutdown)  # as init_distributed registers it (the harness made the group)
+    if rank == 0:
+        store = engine.optimizer.store
+        unit = next(u for u in store.units if u.buckets and not u.gathered)
+        store._check_same_unit = lambda unit: None  # (a collective rank 1 would join)
+        store._start_gather(unit)  # a prefetch rank 1 never issues
+        atexit.register(lambda: times.setdefault("start", time.monotonic()))
+    else:
+        stop = time.monotonic() + 15
+        atexit.register(
+            lambda: [
+                time.sleep(0.05)
+                for _ in iter(lambda: done.exists() or time.monotonic() > stop, True)
+            ]
+        )
+    globals()["_engine"] = engine  # held to the end, as a script's global is
+
+
+def test_exit_waits_for_work_in_flight_at_most_the_exit_timeout(tmp_path) -> None:
+    """A prefetch all-gather still in flight at exit whose peer neither joins it nor exits
+    (a stalled or starved rank) holds the exit hooks SLIPSTREAM_EXIT_TIMEOUT seconds at most,
+    with a warning naming the all-gather; it used to wait for the peer (or the 600 s
+    collective timeout)."""
+    from tests.distributed.harness import run_world
+
+    run_world(_pending_gather_at_exit, 2, str(tmp_path), timeout_s=120)
+    took = float((tmp_path / "rank0-done").read_text())
+    log = (tmp_path / "rank0.log").read_text()
+    assert "gave up waiting for the all-gather of parameter unit" in log, log
+    assert took < 12, f"rank 0's exit hooks took {took} s"  # before: >= 15 s (rank 1 exits)
+
+
+_STUCK = """
+import time
+from slipstream.distributed import comm
+comm.init_distributed("gloo")
+class Stuck:
+    def __del__(self):  # a teardown that never ends (a C++ destructor joining a busy thread)
+        time.sleep(600)
+stuck = Stuck()
+stuck.cycle = stuck  # freed by the garbage collection of interpreter finalization
+del stuck
+import gc
+gc.disable()
+"""
+
+
+@linux
+def test_a_stuck_teardown_after_the_exit_hooks_is_ended_with_a_message(tmp_path) -> None:
+    """Interpreter finalization stuck after slipstream's exit hooks: the watchdog they arm
+    ends the process after SLIPSTREAM_EXIT_TIMEOUT seconds, saying so on its stderr."""
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK)
+    env = dict(os.environ, SLIPSTREAM_EXIT_TIMEOUT="2")
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == -9, (out.returncode, out.stderr[-2000:])
+    assert "this process (pid" in out.stderr, out.stderr[-2000:]
+    assert "still alive 2 s after its exit hooks finished" in out.stderr, out.stderr[-2000:]
+    assert "SLIPSTREAM_EXIT_TIMEOUT" in out.stderr
+    assert time.monotonic() - t0 < 200
+
+
+def test_a_bad_exit_timeout_is_refused_when_the_job_starts(monkeypatch) -> None:
+    monkeypatch.setenv("SLIPSTREAM_EXIT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="SLIPSTREAM_EXIT_TIMEOUT='soon': expected seconds"):
+        _exit.exit_timeout_s()
+    monkeypatch.setenv("SLIPSTREAM_EXIT_TIMEOUT", "0")
+    assert _exit.exit_timeout_s() == 0
+    assert _exit.arm_exit_watchdog(0, "this process") is None
