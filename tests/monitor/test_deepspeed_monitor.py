@@ -89,7 +89,9 @@ def test_enabled_and_rank_gate_writing(tmp_path: Path, monkeypatch: pytest.Monke
     mon.enabled = False  # DeepSpeed checks enabled at every write
     mon.write_events(EVENTS[0])
     assert not list((tmp_path / "csv").glob("*.csv"))
-    monkeypatch.setenv("RANK", "1")
+    # Rank 1: patched where MonitorMaster reads it (an earlier test of this process may have
+    # left a default process group, whose rank wins over $RANK).
+    monkeypatch.setattr("slipstream.monitor.monitor.global_rank", lambda: 1)
     other = MonitorMaster(get_monitor_config(_config(tmp_path / "r1")))
     assert other.enabled and other.csv_monitor is None and other.tb_monitor is None
     other.write_events(EVENTS[0])
