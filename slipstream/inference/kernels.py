@@ -41,11 +41,32 @@ __all__ = [
 _HALF = (torch.bfloat16, torch.float16)
 
 
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first processor's feature flags from ``/proc/cpuinfo`` (empty where unreadable)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def native_half_gemm() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX tiles)."""
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX tiles).
+
+    Asked of torch where it answers (``torch._C._cpu._is_avx512_bf16_supported`` and
+    ``_is_amx_tile_supported``; torch 2.13 no longer has them), else of the CPU's flags in
+    ``/proc/cpuinfo``. Without either answer the CPU counts as emulating bf16."""
     cpu = getattr(torch._C, "_cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    if any(bool(getattr(cpu, name, lambda: False)()) for name in checks):
+        return True
+    return bool(_cpuinfo_flags() & _BF16_FLAGS)
 
 
 class Fp32GemmLinear(nn.Linear):

@@ -102,3 +102,21 @@ def test_engine_packs_the_tied_head_and_generates_hf_greedy_tokens():
         )
         got = engine.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
         assert torch.equal(got, want)
+
+
+def test_native_bf16_is_read_from_the_cpu_flags_where_torch_does_not_say(tmp_path, monkeypatch):
+    import functools
+
+    from slipstream.inference import kernels
+
+    read = kernels._cpuinfo_flags
+    # torch 2.13 has no _is_avx512_bf16_supported: the answer comes from /proc/cpuinfo.
+    monkeypatch.setattr(torch._C, "_cpu", object())
+    cases = (("fpu avx2 avx512f", False), ("avx512f avx512_bf16", True), ("amx_bf16 sse", True))
+    for flags, want in cases:
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+        monkeypatch.setattr(kernels, "_cpuinfo_flags", functools.partial(read, str(info)))
+        assert kernels.native_half_gemm() is want, flags
+    monkeypatch.setattr(kernels, "_cpuinfo_flags", functools.partial(read, str(tmp_path / "no")))
+    assert kernels.native_half_gemm() is False

@@ -8,6 +8,8 @@ the model's own to 1e-4 (checked here too); the packed GEMMs only change summati
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -100,3 +102,22 @@ def test_init_inference_generate_runs_greedy_requests_paged():
     sampled = engine.generate(**kwargs, do_sample=True, seed=1)  # auto: the static loop
     assert torch.equal(sampled, init_inference(model, kv_cache="dynamic").generate(
         **kwargs, do_sample=True, seed=1))  # fmt: skip
+
+
+def test_auto_keeps_bf16_models_on_the_static_loop():
+    """``kv_cache`` auto picks the paged engine only where it measured faster (fp32 on the
+    CPU); a bf16 model runs the static loop, 'paged' still runs it paged."""
+    model = _hf("mistral").to(torch.bfloat16)
+    ids, mask = left_padded([3, 7])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD)
+    for cache, want in (("auto", False), ("paged", True)):
+        engine = init_inference(model, kv_cache=cache, dtype="bf16")
+        calls: list[int] = []
+        engine._runner = functools.partial(_counted, engine._runner, calls)  # type: ignore[method-assign]
+        engine.generate(**kwargs)
+        assert bool(calls) is want, cache
+
+
+def _counted(real, calls, *args):
+    calls.append(1)
+    return real(*args)
