@@ -122,20 +122,13 @@ def _packed_attention(
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
     """Ulysses attention of packed rows: the blockwise kernel on a ring of one rank."""
-    name = type(module).__name__
-    if kwargs.get("dropout") and module.training:
-        raise ValueError(
-            f"sequence parallelism with packed documents: {name} has attention dropout "
-            f"{kwargs['dropout']}, which the document-masked kernel does not apply; set the "
-            "model config's attention_dropout to 0"
-        )
-    for key in ("sliding_window", "softcap"):
-        if kwargs.get(key) is not None:
-            raise ValueError(
-                f"sequence parallelism with packed documents: {name} uses {key}="
-                f"{kwargs[key]}, which the document-masked kernel does not apply; disable "
-                "it in the model config or do not pack documents"
-            )
+    refuse_kernel_gaps(
+        module,
+        kwargs.get("dropout"),
+        kwargs,
+        "sequence parallelism with packed documents",
+        "do not pack documents",
+    )
     s = q.shape[2] * comm.get_world_size(sp_group)
     if s % 2:
         raise ValueError(
@@ -294,9 +287,35 @@ def _read_packing(pos: torch.Tensor, batch: int, sp_group: comm.Group, packing: 
     start = comm.get_rank(sp_group) * local
     index = torch.arange(start, start + local, device=pos.device)
     doc = doc_starts(pos.reshape(-1, local), index).expand(batch, -1)
-    packed = torch.tensor([float(bool((doc != 0).any()))], device=pos.device)
-    comm.all_reduce(packed, group=sp_group, label="sp.packed")
+    publish_packing(doc, sp_group, packing, label="sp.packed")
+
+
+def publish_packing(doc: torch.Tensor, sp_group: comm.Group, packing: Packing, label: str) -> None:
+    """Set ``packing.doc`` to this rank's document starts ``doc`` if any rank of ``sp_group``
+    has a document restart in its shard, else to None (one flag all-reduce, so every rank of
+    the group takes the same kernel)."""
+    packed = torch.tensor([float(bool((doc != 0).any()))], device=doc.device)
+    comm.all_reduce(packed, group=sp_group, label=label)
     packing.doc = doc if bool(packed.item()) else None
+
+
+def refuse_kernel_gaps(
+    module: nn.Module, dropout: float | None, kwargs: dict[str, Any], what: str, fix: str
+) -> None:
+    """Refuse what a blockwise attention kernel (``what``) does not apply: attention dropout
+    in training, ``sliding_window`` and ``softcap``; ``fix`` ends the last two messages."""
+    name = type(module).__name__
+    if dropout and module.training:
+        raise ValueError(
+            f"{what}: {name} has attention dropout {dropout}, which its kernel does not "
+            "apply; set the model config's attention_dropout to 0"
+        )
+    for key in ("sliding_window", "softcap"):
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"{what}: {name} uses {key}={kwargs[key]}, which its kernel does not apply; "
+                f"disable it in the model config or {fix}"
+            )
 
 
 def _check_causal_lm(model: nn.Module) -> None:

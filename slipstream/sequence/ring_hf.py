@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from slipstream.distributed import comm
-from slipstream.sequence.hf import _check_causal_lm, _sp_loss, full_sequence_fields
+from slipstream.sequence.hf import (
+    Packing,
+    _check_causal_lm,
+    _sp_loss,
+    full_sequence_fields,
+    publish_packing,
+    refuse_kernel_gaps,
+)
 from slipstream.sequence.ring import (
     check_usp_heads,
     doc_starts,
@@ -89,14 +96,8 @@ def shard_causal_lm_batch_ring(
     return out
 
 
-class _Packing:
-    """The document starts of the current forward (None: no packed row in the group)."""
-
-    doc: torch.Tensor | None = None
-
-
 def _pre_hook(
-    sp_group: comm.Group, ring: int, ulysses: int, packing: _Packing
+    sp_group: comm.Group, ring: int, ulysses: int, packing: Packing
 ) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mask = kwargs.get("attention_mask")
@@ -122,10 +123,7 @@ def _pre_hook(
         if pos is None:
             pos = index.unsqueeze(0).expand(ids.shape[0], -1)
             kwargs["position_ids"] = pos
-        doc = doc_starts(pos, index)
-        packed = torch.tensor([float(bool((doc != 0).any()))], device=ids.device)
-        comm.all_reduce(packed, group=sp_group, label="sp.ring_packed")
-        packing.doc = doc if bool(packed.item()) else None
+        publish_packing(doc_starts(pos, index), sp_group, packing, label="sp.ring_packed")
         kwargs.setdefault("use_cache", False)
         return args, kwargs
 
@@ -133,7 +131,7 @@ def _pre_hook(
 
 
 def ring_hf_attention(
-    ulysses_group: comm.Group, ring_group: comm.Group, packing: _Packing
+    ulysses_group: comm.Group, ring_group: comm.Group, packing: Packing
 ) -> Callable[..., tuple[torch.Tensor, Any]]:
     """A transformers attention function running Ulysses x ring attention (``query``
     ``[B, H, S/P, D]``, ``key``/``value`` ``[B, kv, S/P, D]`` of this rank's tokens; returns
@@ -150,19 +148,9 @@ def ring_hf_attention(
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
-        name = type(module).__name__
-        if dropout and module.training:
-            raise ValueError(
-                f"ring attention: {name} has attention dropout {dropout}; the ring kernel has "
-                "no dropout. Set the model config's attention_dropout to 0"
-            )
-        for key_name in ("sliding_window", "softcap"):
-            if kwargs.get(key_name) is not None:
-                raise ValueError(
-                    f"ring attention: {name} uses {key_name}={kwargs[key_name]}, which the "
-                    "ring kernel does not apply; disable it in the model config or use "
-                    "sequence_parallel_mode 'ulysses'"
-                )
+        refuse_kernel_gaps(
+            module, dropout, kwargs, "ring attention", "use sequence_parallel_mode 'ulysses'"
+        )
         out = usp_attention_heads_first(
             query,
             key,
@@ -206,7 +194,7 @@ def install_hf_ring_(
     message = check_usp_heads(heads, kv, ulysses)
     if message is not None:
         raise ValueError(f"{type(model).__name__}: {message}")
-    packing = _Packing()
+    packing = Packing()
     name = f"slipstream_ring_{next(_NAMES)}"
     AttentionInterface.register(name, ring_hf_attention(ulysses_group, ring_group, packing))
     config._attn_implementation = name
