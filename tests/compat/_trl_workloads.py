@@ -18,28 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests._tiny_models import tiny_llama
+
 VOCAB = 48
 PROMPT = 5
 NEW_TOKENS = 8
 
 
 def _tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(0, vocab=VOCAB, hidden=32, pad=0, bos=1, eos=2, eval=False)
 
 
 def _zero3_config() -> dict[str, Any]:
