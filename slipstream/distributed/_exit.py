@@ -124,8 +124,7 @@ threads=""
 for t in /proc/$2/task/*; do
   threads="$threads $(cat $t/comm 2>/dev/null)($(cat $t/wchan 2>/dev/null))"
 done
-printf '%s
-' "$3 threads (name(kernel wait)):$threads; ending it (SIGKILL). $4" > "/proc/$2/fd/2"
+printf '%s\n' "$3 threads (name(kernel wait)):$threads; ending it (SIGKILL). $4" > "/proc/$2/fd/2"
 kill -9 "$2"
 """
 

@@ -37,24 +37,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from slipstream.inference.kernels import onednn_linear, onednn_linear_available, onednn_pack
 
 __all__ = ["FusedLlama", "fuse_llama"]
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _onednn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    )
-
-
 def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
     """``x -> F.linear(x, weight, bias)`` on a oneDNN-packed copy of ``weight``."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
-    linear = torch.ops.mkldnn._linear_pointwise
-    return lambda x: linear(x, packed, bias, "none", [], "")
+    packed = onednn_pack(weight.contiguous(), 16)
+    if packed is None:  # oneDNN refused this weight: the plain product on the fused copy
+        return lambda x: F.linear(x, weight, bias)
+    return lambda x: onednn_linear(x, packed, bias)
 
 
 def _cat(modules: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -158,7 +156,7 @@ def fuse_llama(model: nn.Module) -> FusedLlama | None:
     ``nn.Linear``)."""
     body: Any = getattr(model, "model", None)
     layers = list(getattr(body, "layers", ()))
-    if not layers or not _onednn_available():
+    if not layers or not onednn_linear_available():
         return None
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype != torch.float32:

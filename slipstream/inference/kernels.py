@@ -35,6 +35,9 @@ __all__ = [
     "PackedHeadLinear",
     "fp32_gemm_for_half_weights_",
     "native_half_gemm",
+    "onednn_linear",
+    "onednn_linear_available",
+    "onednn_pack",
     "pack_lm_head_",
 ]
 
@@ -100,15 +103,30 @@ def fp32_gemm_for_half_weights_(model: nn.Module, min_rows: int = 4) -> int:
     return swapped
 
 
-def _onednn_pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """``weight`` (fp32 ``[out, in]``) in oneDNN's packed GEMM layout, or None where this
-    build of torch has no oneDNN linear (the caller then uses ``F.linear``)."""
-    if not torch.backends.mkldnn.is_available():
+def onednn_linear_available() -> bool:
+    """Whether this build of torch has oneDNN's packed linear (``torch.ops.mkldnn``)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+def onednn_pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``weight`` (fp32 ``[out, in]``) in oneDNN's packed GEMM layout for about ``rows``
+    rows, or None where this build of torch has no oneDNN linear (the caller then uses
+    ``F.linear``). Multiply with :func:`onednn_linear`."""
+    if not onednn_linear_available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-    except (RuntimeError, AttributeError):
+    except RuntimeError:
         return None
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on ``packed`` (:func:`onednn_pack` of ``weight``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedHeadLinear(nn.Linear):
@@ -131,11 +149,11 @@ class PackedHeadLinear(nn.Linear):
         if rows == 1:
             out = flat @ self._copy("columns", lambda w: w.t().contiguous())
         else:
-            packed = self._copy("onednn", lambda w: _onednn_pack(w, rows))
+            packed = self._copy("onednn", lambda w: onednn_pack(w, rows))
             if packed is None:
                 out = F.linear(flat, self._copy("fp32", lambda w: w))
             else:
-                out = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
+                out = onednn_linear(flat, packed)
         if self.bias is not None:
             out = out + self.bias.float()
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
