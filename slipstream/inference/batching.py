@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,9 @@ class ContinuousBatchingEngine:
         dtype: dtype of the cached keys and values (None: the model's).
         runner: ``model``'s paged forward (``paged_models.runner_for(model)``) to reuse,
             with its packed weights; None prepares one.
+        agree: called with each step's chosen tokens (a 1-d tensor, in the step's order)
+            and returns the tokens to use: tensor-parallel ranks running the same schedule
+            take TP rank 0's (``TPRankSync.tokens``), so their batches never diverge.
 
     Raises:
         ConfigError: a model the paged forward does not drive, or a bad setting.
@@ -102,6 +106,7 @@ class ContinuousBatchingEngine:
         max_model_len: int | None = None,
         dtype: torch.dtype | None = None,
         runner: Runner | None = None,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         from slipstream.config._errors import ConfigError
 
@@ -140,6 +145,9 @@ class ContinuousBatchingEngine:
         self.max_tokens_per_step = max_tokens_per_step
         self.eos_token_ids: tuple[int, ...] = _eos_ids(model)
         self.num_preemptions = 0
+        self.num_forwards = 0
+        """Model forwards so far (a :meth:`step` with nothing scheduled makes none)."""
+        self._agree = agree
         self._seqs: dict[str, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -190,7 +198,13 @@ class ContinuousBatchingEngine:
         if not decodes and not chunks:
             return outputs
         try:
-            produced = self._forward(decodes, chunks)
+            with self.runner.step_scope():
+                produced = self._forward(decodes, chunks)
+            self.num_forwards += 1
+            if self._agree is not None and produced:
+                chosen = torch.tensor([token for _, token in produced], dtype=torch.long)
+                agreed = self._agree(chosen.to(self.runner.device)).tolist()
+                produced = [(seq, agreed[j]) for j, (seq, _) in enumerate(produced)]
         except BaseException:
             for seq in [*decodes, *(s for s, _ in chunks)]:
                 for member in [seq, *seq.followers]:

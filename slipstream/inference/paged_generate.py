@@ -24,7 +24,7 @@ from torch import nn
 from slipstream.config._errors import ConfigError
 from slipstream.inference import generation
 from slipstream.inference.batching import ContinuousBatchingEngine
-from slipstream.inference.paged_models import Runner, runner_for
+from slipstream.inference.paged_models import Gather, Runner, runner_for
 from slipstream.models.decoding import FinishedRows, GenerationRequest, RankSync
 
 __all__ = ["generate_auto", "paged_refusal", "run_paged"]
@@ -110,32 +110,69 @@ def run_paged(
     block_size: int = 16,
     max_tokens_per_step: int = 2048,
     runner: Runner | None = None,
+    sync: RankSync | None = None,
+    gather: Gather | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+    row_max_new: list[int] | None = None,
 ) -> torch.Tensor:
     """Decode ``req`` on the paged engine: ``[batch, prompt + new]`` token ids, rows that
     ended early padded with ``req.pad_token_id``, as long as the longest row (the static
-    engine's output). Every model call is local: ZeRO-3 must have gathered the parameters
-    (the hybrid engine's pinned mode), as the per-layer gathers of unpinned ZeRO-3 are not
-    run by the paged forward. ``runner``: ``model``'s paged forward to reuse (its packed
-    weights, see ``fused.py``), instead of preparing a new one.
+    engine's output). ``runner``: ``model``'s paged forward to reuse (its packed weights,
+    see ``fused.py``), instead of preparing a new one.
+
+    Several processes (each with the same keywords):
+
+    * ``sync``: tensor-parallel ranks decoding the same request (``sync.request`` already
+      applied): every rank schedules alike, and each step's tokens are TP rank 0's
+      (``sync.tokens``), so the ranks' batches, and the collectives inside the TP layers,
+      never fall out of step;
+    * ``gather``: the parameters are partitioned between forwards (unpinned ZeRO-3): each
+      forward gathers the blocks one at a time (:attr:`Runner.gather`). With ``all_done``
+      (ZeRO-3's gathers are collectives), the processes agree once per step whether all of
+      them are done; one with nothing left to decode makes the gathers of a forward
+      without its compute (:meth:`Runner.keep_pace`) until all are, so every process makes
+      the same collectives whatever its rows and their lengths.
+
+    ``row_max_new``: each row's ``max_new_tokens`` (default: ``req.max_new_tokens`` for all).
+
+    Raises:
+        RuntimeError: a KV block still allocated after the last request ended (a leak).
     """
     b, t = req.input_ids.shape
     prompts = [
         row[m.bool()].tolist() for row, m in zip(req.input_ids, req.attention_mask, strict=True)
     ]
-    longest = max(len(p) for p in prompts) + req.max_new_tokens
+    limits = row_max_new if row_max_new is not None else [req.max_new_tokens] * b
+    longest = max(len(p) + n for p, n in zip(prompts, limits, strict=True))
+    if runner is None:
+        runner = runner_for(model, gather=gather)
     engine = ContinuousBatchingEngine(
         model, block_size=block_size, max_num_seqs=b, max_tokens_per_step=max_tokens_per_step,
         max_model_len=longest, num_blocks=b * -(-longest // block_size), runner=runner,
+        agree=None if sync is None else sync.tokens,
     )  # fmt: skip
     stops = set(req.eos_token_ids)
     gens = _row_generators(req, engine.runner.device)
     for i, prompt in enumerate(prompts):
-        engine._add(str(i), prompt, req.max_new_tokens, req.sampling, gens[i], stops,
+        engine._add(str(i), prompt, limits[i], req.sampling, gens[i], stops,
                     req.min_new_tokens)  # fmt: skip
     new: list[list[int]] = [[] for _ in range(b)]
-    while engine.has_unfinished():
-        for step_out in engine.step():
+    while True:
+        idle = not engine.has_unfinished()
+        if all_done is None and idle:
+            break
+        if all_done is not None and all_done(idle):
+            break
+        forwards = engine.num_forwards
+        for step_out in [] if idle else engine.step():
             new[int(step_out.request_id)].extend(step_out.new_token_ids)
+        if all_done is not None and engine.num_forwards == forwards:
+            engine.runner.keep_pace()  # nothing (left) to run here: the others' gathers
+    if engine.free_blocks() != engine.total_blocks():
+        raise RuntimeError(
+            f"run_paged: {engine.total_blocks() - engine.free_blocks()} KV blocks still "
+            "allocated after every request ended (a block accounting bug)"
+        )
     width = max(len(n) for n in new)
     out = torch.full((b, t + width), req.pad_token_id, dtype=req.input_ids.dtype,
                      device=req.input_ids.device)  # fmt: skip

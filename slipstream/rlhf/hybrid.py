@@ -46,6 +46,7 @@ from slipstream.rlhf.hybrid_tp import TPGenerator
 from slipstream.runtime.engine import Engine
 from slipstream.runtime.extensions import register_engine_extension
 from slipstream.zero import gathered_model
+from slipstream.zero.gathered import forward_gathered
 from slipstream.zero.sharded_store import unit_owner
 
 __all__ = ["GenerationStats", "HybridEngine", "enable_hybrid_engine_"]
@@ -156,19 +157,23 @@ class HybridEngine:
         paged engine.
         """
         if self._tp is not None:
-            return self._generate_tp(self._tp, req)
+            return self._generate_tp(self._tp, req, paged and self.rollouts == "paged")
         module = self.engine.module
         check_length(
             req, self.config.max_out_tokens, generation.driver_for(module).context_length(module)
         )
         pinned = self._released and self.config.pin_parameters
+        # Unpinned ZeRO-3: the paged forward gathers each block as it runs it.
+        gather = forward_gathered if self._released and not pinned else None
         started = time.perf_counter()
         with gathered_model(module) if pinned else nullcontext(), self._lora(pinned):
             decode_started = time.perf_counter()
             all_done = self._all_done()
-            paged = paged and self.rollouts == "paged" and all_done is None
-            if paged and paged_refusal(module, req) is None:
-                out = run_paged(module, req)
+            paged = paged and self.rollouts == "paged" and paged_refusal(module, req) is None
+            if all_done is not None:  # lock-step: every rank decodes on the same loop
+                paged = all_done(paged)
+            if paged:
+                out = run_paged(module, req, gather=gather, all_done=all_done)
                 self.stats.paged_calls += 1
             else:
                 out = generation.run(module, req, all_done=all_done)
@@ -198,11 +203,13 @@ class HybridEngine:
             return nullcontext()
         return fused_lora(self.engine.module, keep_base=True)
 
-    def _generate_tp(self, tp: TPGenerator, req: GenerationRequest) -> torch.Tensor:
+    def _generate_tp(self, tp: TPGenerator, req: GenerationRequest, paged: bool) -> torch.Tensor:
         """``inference_tp_size`` > 1: the TP group builds its split copy (layer groups
-        gathered once) and decodes the group's prompts together (:mod:`.hybrid_tp`)."""
-        started, gathered = time.perf_counter(), tp.gather_seconds
-        out = tp.generate(req, self.config.max_out_tokens)
+        gathered once) and decodes the group's prompts together (:mod:`.hybrid_tp`), on the
+        continuous-batching engine where it applies (``paged``)."""
+        started, gathered, calls = time.perf_counter(), tp.gather_seconds, tp.paged_calls
+        out = tp.generate(req, self.config.max_out_tokens, paged=paged)
+        self.stats.paged_calls += tp.paged_calls - calls
         building = tp.gather_seconds - gathered
         self.stats.calls += 1
         self.stats.gather_seconds += building

@@ -24,7 +24,12 @@ from slipstream.zero.param import EXTERNAL_ATTR, bind_, foreign_partition_error,
 from slipstream.zero.sharded_store import ShardedStore, unit_owner
 from slipstream.zero.units import Unit
 
-__all__ = ["GatheredParameters", "register_external_parameter", "unregister_external_parameter"]
+__all__ = [
+    "GatheredParameters",
+    "forward_gathered",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 _EXTERNAL_ATTR = EXTERNAL_ATTR
 
@@ -143,6 +148,32 @@ def GatheredParameters(
             if modifier_rank is not None:
                 _keep_edits(store, unit, modifier_rank)
             store.release(unit, hand_off=True)
+
+
+@contextmanager
+def forward_gathered(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Gather the ZeRO-3 units holding ``params`` for a forward that runs their modules
+    without their units' own forward (the paged decoding engine's per-block forward), as
+    ZeRO-3's forward hooks do: the modules inside run without gathering again, and the full
+    storage is freed in place when the block ends (no new storage, unlike
+    :func:`GatheredParameters`, whose callers may keep the tensors). Every rank of the
+    data-parallel group must enter it with the same units, in the same order. Parameters
+    that are not unit-partitioned pass through."""
+    units: dict[tuple[int, int], tuple[ShardedStore, Unit]] = {}
+    for p in params:
+        owner = unit_owner(p)
+        if owner is not None:
+            units[(id(owner.store), owner.unit.index)] = (owner.store, owner.unit)
+    held = [units[k] for k in sorted(units, key=lambda k: k[1])]
+    for store, unit in held:
+        store.gather(unit)
+        unit.active += 1
+    try:
+        yield
+    finally:
+        for store, unit in held:
+            unit.active -= 1
+            store.release(unit)
 
 
 @torch.no_grad()
