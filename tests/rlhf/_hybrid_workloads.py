@@ -292,6 +292,68 @@ def early_eos(reference: nn.Module) -> list[int]:
     raise AssertionError("no tokens end rank 0's rows early; change the prompts' seed")
 
 
+@contextlib.contextmanager
+def paged_engines_spy() -> Iterator[list[Any]]:
+    """Record every continuous-batching engine the rollouts build (to read their block
+    accounting and forward counts after the call)."""
+    from slipstream.inference import paged_generate
+
+    real = paged_generate.ContinuousBatchingEngine
+    built: list[Any] = []
+
+    class Recorded(real):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    paged_generate.ContinuousBatchingEngine = Recorded  # type: ignore[misc]
+    try:
+        yield built
+    finally:
+        paged_generate.ContinuousBatchingEngine = real  # type: ignore[misc]
+
+
+def paged_rollout_checks() -> dict[str, Any]:
+    """Rollouts on the continuous-batching engine where the static loop ran before:
+    unpinned ZeRO-3 (every forward a collective: lock-step) and inference_tp_size 2. Ragged
+    rows per rank (rank 0: 2 prompts of width 5, 6 new tokens; rank 1: 3 prompts of width 6,
+    10 new tokens), EOS tokens that end rank 0's rows early, two copies per prompt; greedy
+    against the static loop and the unsharded model, sampled twice with one seed."""
+    import slipstream
+    from slipstream.distributed import comm
+    from slipstream.inference import generate
+
+    rank = comm.get_rank()
+    ids, mask = tp_prompts(rank)
+    model = tiny_llama()
+    reference = copy.deepcopy(model).eval()
+    eos = early_eos(reference)
+    greedy = {"attention_mask": mask, "max_new_tokens": 6 + 4 * rank, "eos_token_id": eos,
+              "num_return_sequences": 2}  # fmt: skip
+    sampled = {"attention_mask": mask, "max_new_tokens": 6 + 4 * rank, "do_sample": True,
+               "top_k": 20, "seed": 7}  # fmt: skip
+    out: dict[str, Any] = {"want": generate(reference, input_ids=ids, **greedy)}
+    cases = {"z3": (model, config(3, pin=False)), "tp": (tiny_llama(), tp_config(3))}
+    for name, (build, cfg) in cases.items():
+        engine, *_ = slipstream.initialize(model=build, config=cfg)
+        engine.eval()
+        gathers, broadcasts = all_gathers(), tp_token_broadcasts()
+        with paged_engines_spy() as engines:
+            paged = engine.generate(ids, **greedy)
+            gathers, broadcasts = all_gathers() - gathers, tp_token_broadcasts() - broadcasts
+            draws = [engine.generate(ids, **sampled) for _ in range(2)]
+        engine.hybrid_engine.rollouts = "static"
+        static = engine.generate(ids, **greedy)
+        out[name] = {
+            "paged": paged, "static": static, "draws": draws,
+            "gathers": gathers, "broadcasts": broadcasts,
+            "forwards": engines[0].num_forwards,
+            "blocks": [(e.free_blocks(), e.total_blocks()) for e in engines],
+            "stats": engine.hybrid_engine.stats,
+        }  # fmt: skip
+    return out
+
+
 def tp_round_trip_checks() -> dict[str, Any]:
     """ZeRO-3 with inference_tp_size 2: a training step after 3 generate/train cycles
     equals one without them."""
@@ -387,6 +449,7 @@ def checks() -> dict[str, Any]:
         "tp_gen": tp_generation_checks,
         "tp_trip": tp_round_trip_checks,
         "tp_refusals": tp_refusals,
+        "paged_rollouts": paged_rollout_checks,
     }
 
 

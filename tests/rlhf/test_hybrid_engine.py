@@ -88,6 +88,35 @@ def test_tensor_parallel_generation_equals_the_unsharded_model_token_for_token(r
     assert rank0_eos.shape[1] < 5 + 6  # stopped early although the group went on
 
 
+@pytest.mark.rlhf_checks("paged_rollouts")
+def test_unpinned_and_tensor_parallel_rollouts_run_on_the_paged_engine(rlhf_world):
+    """Unpinned ZeRO-3 and inference_tp_size 2 decode on the continuous-batching engine:
+    ragged rows per rank (2 prompts and 6 new tokens on rank 0, 3 prompts and 10 on rank 1,
+    EOS ending rank 0's rows early, two copies per prompt) give the static loop's and the
+    unsharded model's greedy tokens, each rank exactly its own rows; every KV block is free
+    after each call; sampling is reproducible for a seed. Unpinned: both ranks make the
+    same gathers, one per unit (4 units, 2 all-gathers each) per forward of the rank that
+    decoded longest, so rank 0 kept pace after its rows ended. TP: one token broadcast per
+    forward, the same forwards on both ranks."""
+    ranks = result(rlhf_world, "paged_rollouts")
+    for rank, r in enumerate(ranks):
+        for case in ("z3", "tp"):
+            c = r[case]
+            assert c["paged"].shape[0] == 2 * (2 + rank), case
+            assert torch.equal(c["paged"], r["want"]), case
+            assert torch.equal(c["static"], r["want"]), case
+            assert torch.equal(c["draws"][0], c["draws"][1]), case
+            assert c["draws"][0].shape[1] > 5 + rank, case  # new tokens after the prompt
+            assert c["blocks"] and all(free == total for free, total in c["blocks"]), case
+            assert (c["stats"].calls, c["stats"].paged_calls) == (4, 3), case
+        assert r["want"].shape[1] < 5 + 6 or rank == 1  # EOS ended rank 0's rows early
+    z3 = [r["z3"] for r in ranks]
+    assert z3[0]["forwards"] < z3[1]["forwards"]
+    assert z3[0]["gathers"] == z3[1]["gathers"] == 8 * z3[1]["forwards"]
+    tp = [r["tp"] for r in ranks]
+    assert tp[0]["forwards"] == tp[1]["forwards"] == tp[0]["broadcasts"] == tp[1]["broadcasts"]
+
+
 @pytest.mark.rlhf_checks("tp_trip")
 def test_tensor_parallel_round_trips_leave_the_next_training_step_unchanged(rlhf_world):
     """ZeRO-3, inference_tp_size 2: 3 eval/generate/train cycles between two steps give
