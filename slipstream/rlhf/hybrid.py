@@ -13,8 +13,8 @@ fused into the base weights for the call and the unfused weights put back after,
 DeepSpeed-HE does (``HybridEngine._lora``).
 
 ``pin_parameters: false`` keeps ZeRO-3's per-layer gathering (one layer's memory, every
-token re-gathers every layer); the ranks then step in lock-step (finished ranks make
-throw-away model calls) because every forward is a collective.
+token re-gathers every layer); the ranks then step in lock-step (a rank with nothing left to
+decode makes a forward's gathers without its compute) because every forward is a collective.
 
 It is attached by ``slipstream.initialize`` when the config's ``hybrid_engine.enabled`` is
 true (an engine extension, :mod:`slipstream.runtime.extensions`): ``engine.generate`` and,
@@ -149,12 +149,14 @@ class HybridEngine:
 
         Runs on the continuous-batching engine (:mod:`slipstream.inference.paged_generate`:
         each row a request, the copies of one prompt sharing its KV blocks, finished rows
-        leaving the batch) unless the parameters are gathered per layer (unpinned ZeRO-3),
-        the request has stop strings or a streamer, the model is not one the paged forward
-        drives, ``rollouts`` is ``"static"`` or ``paged`` is False; then on the static
-        decode loop. Greedy
-        tokens are the same either way; sampled ones come from per-row generators on the
-        paged engine.
+        leaving the batch) unless the request has stop strings or a streamer, the model is
+        not one the paged forward drives or is in training mode, ``rollouts`` is
+        ``"static"`` or ``paged`` is False; then on the static decode loop. Unpinned ZeRO-3
+        (parameters gathered per forward, a collective): the paged forward gathers one block
+        at a time, the ranks agree first that all of them run paged, and then step in
+        lock-step (``run_paged``'s ``all_done``). ``inference_tp_size`` > 1:
+        :meth:`TPGenerator.generate`. Greedy tokens are the same either way; sampled ones
+        come from per-row generators on the paged engine.
         """
         if self._tp is not None:
             return self._generate_tp(self._tp, req, paged and self.rollouts == "paged")

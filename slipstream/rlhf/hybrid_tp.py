@@ -12,9 +12,10 @@ slipstream builds the TP copy (the *replica*) from the model's own class on the 
 splits it with the training side's tensor-parallel plan (``parallelize_tp_(skeleton=True)``:
 the reference GPT's plan, or the automatic plan of a Hugging Face LLaMA-family model), gives
 each parameter this rank's slice while its ZeRO-3 unit is gathered (a LoRA layer's base
-weight with its adapters fused in, ``W + scaling B A``), and decodes it with the
-inference engine's TP rank sync (:class:`~slipstream.inference.parallel.TPRankSync`: one
-request and one token choice per group). The replica lives for one ``generate`` call; the
+weight with its adapters fused in, ``W + scaling B A``), and decodes it on the
+continuous-batching engine (every TP rank running the same schedule) or the static loop,
+with the inference engine's TP rank sync (:class:`~slipstream.inference.parallel.TPRankSync`:
+one request and one token choice per group). The replica lives for one ``generate`` call; the
 training module, its shards and its optimizer state are never written.
 """
 
