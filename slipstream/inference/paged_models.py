@@ -117,7 +117,8 @@ class Runner:
             return self.fused.head(hidden)
         head: Any = self.model.get_submodule("lm_head")
         if self.kind == "gpt":  # its output seam: a tensor-parallel GPT gathers the vocabulary
-            return self.model.output(head(hidden))  # type: ignore[no-any-return]
+            seam: Any = self.model.get_submodule("output")
+            return seam(head(hidden))  # type: ignore[no-any-return]
         return head(hidden)  # type: ignore[no-any-return]
 
 
