@@ -41,6 +41,7 @@ def _save(tmp_path):
 
 def test_generate_streams_the_chat_answer_and_reports_speed(tmp_path, capsys):
     model, tok = _save(tmp_path)
+    capsys.readouterr()  # saving may import an installed DeepSpeed (accelerate), which logs to stdout
     code = main(["generate", str(tmp_path), "--prompt", "w3 w9 w40", "--max-new-tokens", "6"])
     out, err = capsys.readouterr()
     assert code == 0, err
