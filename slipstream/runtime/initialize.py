@@ -253,12 +253,6 @@ def _parallel_dims(cfg: SlipstreamConfig, model: nn.Module) -> ParallelDims:
             f"config key 'data_parallel_size' = {dp}, but world {world} / (sp {sp} x tp {tp} "
             f"x pp {stages}) = {world // others}: remove the key (it is derived) or fix it"
         )
-    if sp > 1 and tp > 1:
-        raise ConfigError(
-            f"sequence_parallel_size={sp} together with tensor_parallel.autotp_size={tp} is not "
-            "supported yet: use Megatron-style sequence parallelism inside the TP group "
-            "(tensor_parallel.sequence_parallel: true) or one of the two"
-        )
     return ParallelDims(world_size=world, sp=sp, tp=tp, pp=stages)
 
 
