@@ -118,7 +118,9 @@ def _check_local_heads(model: nn.Module, attn_name: str, sp: int) -> None:
     """Ulysses splits this rank's heads (all of them, or ``num_heads / tp`` after tensor
     parallelism; read from the q/k projections' rows) over the ``sp`` ranks."""
     attn = model.get_submodule(attn_name)
-    head_dim = int(attn.head_dim)
+    head_dim, total = getattr(attn, "head_dim", None), getattr(attn, "num_heads", None)
+    if not isinstance(head_dim, int):  # not the GPT's attention: checked at run time
+        return
     try:
         heads = full_shape(attn.get_parameter("q_proj.weight"))[0] // head_dim
         kv = full_shape(attn.get_parameter("k_proj.weight"))[0] // head_dim
@@ -126,7 +128,7 @@ def _check_local_heads(model: nn.Module, attn_name: str, sp: int) -> None:
         return
     if heads % sp == 0 and (kv % sp == 0 or sp % kv == 0):
         return
-    split = "" if heads == attn.num_heads else f" (of {attn.num_heads}; tensor parallelism)"
+    split = "" if heads == total else f" (of {total}; tensor parallelism)"
     raise ConfigError(
         f"sequence_parallel_size={sp}: {attn_name} holds {heads} query heads{split} and {kv} "
         f"KV heads on this rank; Ulysses needs the query heads to divide by {sp} and the KV "
