@@ -20,8 +20,9 @@ SP, TP = 2, 2
 
 def make_model(kind: str) -> nn.Module:
     """``llama``: 4 heads, 2 KV heads (per TP rank 2 and 1: the KV head is replicated for
-    Ulysses); ``llama6``: 6 heads, 2 KV heads (3 per TP rank: Ulysses over 2 is refused, ring
-    takes it); ``gpt``/``gpt_ring``/``gpt6``: the reference GPT likewise."""
+        Ulysses); ``llama6``: 6 heads, 2 KV heads (3 per TP rank: Ulysses over 2 is refused, ring
+        takes it); ``gpt``/``gpt_ring``/``gpt_lss``/``gpt6``: the reference GPT likewise (the
+    first three with the same weights)."""
     from slipstream.models import GPT, GPTConfig
 
     if kind == "llama":
@@ -36,7 +37,7 @@ def make_model(kind: str) -> nn.Module:
         )  # fmt: skip
         return LlamaForCausalLM(cfg)
     heads, hidden = (6, 48) if kind == "gpt6" else (4, 64)
-    mode = "ring" if kind == "gpt_ring" else "ulysses"
+    mode = {"gpt_ring": "ring", "gpt_lss": "lss"}.get(kind, "ulysses")
     torch.manual_seed(0)
     return GPT(
         GPTConfig(
@@ -209,6 +210,7 @@ def world(root: str) -> dict[str, Any]:
         "gpt ulysses zero2": train("gpt", 2),
         "llama6 ring zero3": train("llama6", 3, mode="ring"),
         "gpt ring zero1": train("gpt_ring", 1, mode="ring"),
+        "gpt lss zero0": train("gpt_lss", 0),
         "llama resume sp1 dp2": train("llama", 1, sp=1, steps=range(SAVE_AT, STEPS), load=f"{root}/llama"),
         "gpt ulysses bf16 zero2": train("gpt", 2, bf16={"enabled": True}),
     }  # fmt: skip
