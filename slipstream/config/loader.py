@@ -481,14 +481,6 @@ def _check_consistency(cfg: SlipstreamConfig) -> None:
             "Megatron-style sequence parallelism splits the sequence over the TP ranks; set "
             "autotp_size >= 2 (or use sequence_parallel_size for Ulysses/LSS)"
         )
-    if cfg.tensor_parallel.sequence_parallel and cfg.sequence_parallel_size > 1:
-        raise ConfigError(
-            f"sequence_parallel_size={cfg.sequence_parallel_size} with "
-            "tensor_parallel.sequence_parallel: true: both split the sequence (Ulysses/ring "
-            "over the sp axis, Megatron-style inside the TP group). Set "
-            "tensor_parallel.sequence_parallel to false (sequence_parallel_size composes with "
-            "tensor_parallel.autotp_size), or sequence_parallel_size to 1"
-        )
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError(
             "fp16.enabled and bf16.enabled are both true: choose one precision "
