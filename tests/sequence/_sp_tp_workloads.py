@@ -16,6 +16,7 @@ STEPS, SAVE_AT = 3, 2  # AdamW steps; the checkpoint is written after SAVE_AT of
 BATCH, SEQ, VOCAB = 4, 16, 96
 LR = 1e-2
 SP, TP = 2, 2
+CLIP = 1.0  # the GPT's gradient norms are 1.9-2.5: the ZeRO-2 run clips at every step
 
 
 def make_model(kind: str) -> nn.Module:
@@ -64,9 +65,9 @@ def _is_hf(kind: str) -> bool:
     return kind.startswith("llama")
 
 
-def reference_run(kind: str) -> dict[str, Any]:
-    """One process, the whole batch, torch's AdamW: losses, every step's gradients, final
-    parameters."""
+def reference_run(kind: str, clip: float | None = None) -> dict[str, Any]:
+    """One process, the whole batch, torch's AdamW (gradients clipped to norm ``clip``):
+    losses, every step's gradients (before clipping), final parameters."""
     model = make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, grads = [], []
@@ -74,6 +75,8 @@ def reference_run(kind: str) -> dict[str, Any]:
         loss = _forward(model, kind, global_batch(step), None)
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
@@ -207,7 +210,7 @@ def world(root: str) -> dict[str, Any]:
     rank = dist.get_rank()
     runs = {
         "llama ulysses zero1": train("llama", 1, save=f"{root}/llama"),
-        "gpt ulysses zero2": train("gpt", 2),
+        "gpt ulysses zero2 clip": train("gpt", 2, gradient_clipping=CLIP),
         "llama6 ring zero3": train("llama6", 3, mode="ring"),
         "gpt ring zero1": train("gpt_ring", 1, mode="ring"),
         "gpt lss zero0": train("gpt_lss", 0),
