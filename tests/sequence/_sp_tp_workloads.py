@@ -195,6 +195,28 @@ def train(
     return out
 
 
+def loader_run() -> dict[str, Any]:
+    """``_hf_workloads``' LLaMA (4 heads, 2 KV heads; SGD) at sp 2 x tp 2 read from the
+    loader ``initialize`` builds (the TP ranks of a sequence shard get the same tokens), 3
+    steps: losses and full parameters, for ``_hf_workloads.reference_run``."""
+    import slipstream
+    from tests.sequence import _hf_workloads as hw
+
+    cfg = hw._config(2, SP) | {"tensor_parallel": {"autotp_size": TP}}
+    engine, _, loader, _ = slipstream.initialize(
+        model=hw.make_model("llama_gqa2"), config=cfg, training_data=hw.LMData()
+    )
+    losses = []
+    for _, batch in zip(range(hw.STEPS), loader):
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    out = {"losses": losses, "params": _full(engine, grads=False)}
+    engine.destroy()
+    return out
+
+
 def refusal(kind: str, **extra: Any) -> str:
     import slipstream
 
@@ -216,6 +238,7 @@ def world(root: str) -> dict[str, Any]:
         "gpt lss zero0": train("gpt_lss", 0),
         "llama resume sp1 dp2": train("llama", 1, sp=1, steps=range(SAVE_AT, STEPS), load=f"{root}/llama"),
         "gpt ulysses bf16 zero2": train("gpt", 2, bf16={"enabled": True}),
+        "llama loader sgd zero2": loader_run(),
     }  # fmt: skip
     refused = {
         "llama6": refusal("llama6"),

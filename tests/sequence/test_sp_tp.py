@@ -83,6 +83,19 @@ def test_sp2_tp2_matches_one_process(world, references, name, kind):
     _same_losses_on_every_rank(world, name)
 
 
+def test_initialize_loader_feeds_sp2_tp2(world):
+    """Through the loader ``initialize`` builds (each sp rank its slice, the TP ranks the
+    same), the HF LLaMA of ``_hf_workloads`` trains 3 SGD steps (ZeRO-2) to one process's
+    losses (rtol 1e-5) and parameters (rtol 1e-5 / atol 2e-5), as at sp 2 without TP."""
+    from tests.distributed.parity import assert_same_training
+    from tests.sequence import _hf_workloads as hw
+
+    got = world[0]["runs"]["llama loader sgd zero2"]
+    ref = hw.reference_run("llama_gqa2")
+    assert_same_training(got, ref, "loader", param_rtol=1e-5, param_atol=2e-5)
+    _same_losses_on_every_rank(world, "llama loader sgd zero2")
+
+
 def test_checkpoint_from_sp2_tp2_resumes_at_sp1_dp2_tp2(world, references):
     """A checkpoint written at sp 2 x tp 2 (ZeRO-1, after 2 steps) loads at sp 1 x dp 2 x
     tp 2 on the same 4 ranks, and the third step's loss, gradients and the final parameters
