@@ -33,6 +33,7 @@ from slipstream.sequence import (
     SPPlan,
     ZigZagSequence,
 )
+from slipstream.zero.param import full_shape
 
 __all__ = ["gpt_sp_plan", "gpt_tp_plan"]
 
@@ -101,8 +102,37 @@ def gpt_sp_plan(
     plan = SPPlan()
     for name, _ in model.named_modules():
         if name.endswith(".attn.core"):
+            if kind == "ulysses":
+                _check_local_heads(model, name.removesuffix(".core"), comm.get_world_size(sp_group))
             plan.replace[name] = SequenceParallelAttention(kind, sp_group, dropout)
     positions = ZigZagSequence if kind == "ring" else ShardedSequence
     plan.replace["positions"] = positions(sp_group)
-    plan.replace["output"] = SequenceParallelOutput(sp_group)
+    # After tensor parallelism the output is vocabulary-parallel: it stays, inside the mean.
+    local = model.get_submodule("output")
+    inner = local if isinstance(local, VocabParallelOutput) else None
+    plan.replace["output"] = SequenceParallelOutput(sp_group, inner)
     return plan
+
+
+def _check_local_heads(model: nn.Module, attn_name: str, sp: int) -> None:
+    """Ulysses splits this rank's heads (all of them, or ``num_heads / tp`` after tensor
+    parallelism; read from the q/k projections' rows) over the ``sp`` ranks."""
+    attn = model.get_submodule(attn_name)
+    head_dim, total = getattr(attn, "head_dim", None), getattr(attn, "num_heads", None)
+    if not isinstance(head_dim, int):  # not the GPT's attention: checked at run time
+        return
+    try:
+        heads = full_shape(attn.get_parameter("q_proj.weight"))[0] // head_dim
+        kv = full_shape(attn.get_parameter("k_proj.weight"))[0] // head_dim
+    except AttributeError:  # a wrapped projection: ulysses_attention checks at run time
+        return
+    if heads % sp == 0 and (kv % sp == 0 or sp % kv == 0):
+        return
+    split = "" if heads == total else f" (of {total}; tensor parallelism)"
+    raise ConfigError(
+        f"sequence_parallel_size={sp}: {attn_name} holds {heads} query heads{split} and {kv} "
+        f"KV heads on this rank; Ulysses needs the query heads to divide by {sp} and the KV "
+        f"heads to divide by or divide {sp}. Use ring attention (GPTConfig(sequence_parallel="
+        "'ring') with \"sequence_parallel_mode\": \"ring\") or LSS ('lss'), which take any head "
+        "count, or sizes that split the heads"
+    )

@@ -253,11 +253,12 @@ def _parallel_dims(cfg: SlipstreamConfig, model: nn.Module) -> ParallelDims:
             f"config key 'data_parallel_size' = {dp}, but world {world} / (sp {sp} x tp {tp} "
             f"x pp {stages}) = {world // others}: remove the key (it is derived) or fix it"
         )
-    if sp > 1 and tp > 1:
+    if sp > 1 and cfg.tensor_parallel.sequence_parallel:
         raise ConfigError(
-            f"sequence_parallel_size={sp} together with tensor_parallel.autotp_size={tp} is not "
-            "supported yet: use Megatron-style sequence parallelism inside the TP group "
-            "(tensor_parallel.sequence_parallel: true) or one of the two"
+            f"sequence_parallel_size={sp} with tensor_parallel.sequence_parallel: true: both "
+            "split the sequence (Ulysses/ring over the sp axis, Megatron-style inside the TP "
+            "group). Set tensor_parallel.sequence_parallel to false (sequence_parallel_size "
+            "composes with tensor_parallel.autotp_size), or sequence_parallel_size to 1"
         )
     return ParallelDims(world_size=world, sp=sp, tp=tp, pp=stages)
 

@@ -4,7 +4,11 @@
    RNG streams are seeded first, so dropout in the split regions differs per TP rank while
    the replicated regions stay equal).
 2. Sequence parallelism (Ulysses / LSS / ring) binds the attention to the ``sp`` axis
-   (ring: its ``sp_ring`` x ``sp_ulysses`` unflattening).
+   (ring: its ``sp_ring`` x ``sp_ulysses`` unflattening). After step 1 each TP rank holds
+   ``heads / tp`` attention heads, and the sp collectives run on those local heads: the mesh
+   order ``(pp, dp_replicate, dp_shard, sp, tp)`` makes each sp group the ranks of one TP
+   rank, so Ulysses needs the *local* heads to divide by sp (ring: any count), and a
+   vocabulary-parallel loss of step 1 becomes the inner loss of the sequence-parallel mean.
 3. Activation checkpointing is configured with the TP group, which partitioned activations
    and the RNG replay need (a Hugging Face model's ``gradient_checkpointing_enable`` layers
    included); tiling (``tiled_compute``: tiled MLP and logits+loss of HF causal LMs) wraps
@@ -69,7 +73,7 @@ def parallelize_(model: nn.Module, cfg: SlipstreamConfig, mesh: DeviceMesh) -> N
             ring_groups = sp_ring_groups(mesh, ring)
         elif is_hf_attention_model(model):  # packed rows: a ring of one rank (hf.py)
             local = sp_ring_groups(mesh, 1)[1]
-        parallelize_sequence_(model, sp, ring_groups, local)
+        parallelize_sequence_(model, sp, ring_groups, local, tp_size=mesh["tp"].size())
     if (
         mesh["pp"].size() > 1
         or tp is not None

@@ -87,7 +87,21 @@ class _LocalHeads:
         return getattr(self._module, name)
 
 
-def _heads_error(model_name: str, heads: int, kv: int, p: int) -> str | None:
+def _heads_error(model_name: str, heads: int, kv: int, p: int, tp: int = 1) -> str | None:
+    """The refusal of head counts Ulysses cannot split over ``p`` ranks; with tensor
+    parallelism of degree ``tp`` the counts are each TP rank's (the full ones / ``tp``)."""
+    if tp > 1:
+        local = _local_heads_error(heads // tp, kv // tp, p)
+        if local is None:
+            return None
+        return (
+            f"sequence_parallel_size={p} with tensor_parallel.autotp_size={tp}: {model_name} "
+            f"has num_attention_heads={heads} and num_key_value_heads={kv}, so each TP rank "
+            f"holds {heads // tp} query and {kv // tp} KV heads, and Ulysses over the sp "
+            f'ranks {local}. Use ring attention ("sequence_parallel_mode": "ring", any '
+            "head count), or sizes with (num_attention_heads / autotp_size) divisible by "
+            "sequence_parallel_size"
+        )
     if heads % p:
         return (
             f"sequence_parallel_size={p}: {model_name} has num_attention_heads={heads} "
@@ -101,6 +115,15 @@ def _heads_error(model_name: str, heads: int, kv: int, p: int) -> str | None:
             f"{p} or {p} to divide by them (then KV heads are replicated). Choose a "
             f"sequence_parallel_size that divides {kv} or is a multiple of it and divides {heads}"
         )
+    return None
+
+
+def _local_heads_error(heads: int, kv: int, p: int) -> str | None:
+    """What Ulysses over ``p`` ranks cannot do with ``heads``/``kv`` heads, or None."""
+    if heads % p:
+        return f"cannot split {heads} query heads {p} ways"
+    if kv % p and p % kv:
+        return f"cannot split or replicate {kv} KV heads {p} ways"
     return None
 
 
@@ -333,7 +356,10 @@ def _check_causal_lm(model: nn.Module) -> None:
 
 
 def install_hf_ulysses_(
-    model: nn.Module, sp_group: comm.Group, local_group: comm.Group | None = None
+    model: nn.Module,
+    sp_group: comm.Group,
+    local_group: comm.Group | None = None,
+    tp_size: int = 1,
 ) -> str:
     """Make a transformers causal LM train on sequence shards over ``sp_group``, in place.
 
@@ -345,6 +371,8 @@ def install_hf_ulysses_(
     ``local_group`` (a group of this rank alone, e.g. the ring group of
     ``slipstream.distributed.mesh.sp_ring_groups(mesh, 1)``) packed rows attend within their
     documents (see the module docs); without it position ids are taken as they are.
+    ``tp_size``: the tensor-parallel degree the model is already split over; the all-to-alls
+    then move each TP rank's ``heads / tp_size`` heads, which must split over ``sp_group``.
 
     When the model's implementation is already routed through Ulysses (DeepSpeed's
     ``UlyssesSPAttentionHF.register_with_transformers``), nothing is changed.
@@ -363,7 +391,7 @@ def install_hf_ulysses_(
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(text.num_attention_heads)
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
-    message = _heads_error(type(model).__name__, heads, kv, p)
+    message = _heads_error(type(model).__name__, heads, kv, p, tp_size)
     if message is not None:
         raise ValueError(message)
     core_name = config._attn_implementation or "sdpa"

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.distributed import comm
+from slipstream.sequence._autograd import all_reduce_scalar
 from slipstream.sequence.loss import sequence_parallel_cross_entropy
 from slipstream.sequence.lss import lss_attention
 from slipstream.sequence.ring import ring_attention_heads_first, sequence_shard_indices
@@ -103,13 +104,22 @@ class SequenceParallelOutput(nn.Module):
     ``forward(logits, labels)``: the segment's logits when ``labels`` is None, else the mean
     token cross-entropy over the *whole* sequences (:func:`sequence_parallel_cross_entropy`;
     a plain fp32 cross-entropy when the group has one rank).
+
+    ``local``: the output step the model had before (tensor parallelism's vocabulary-parallel
+    one, whose logits are a slice of the vocabulary), or None for full-vocabulary logits. It
+    must return the logits given no labels, else the mean loss over the segment's counted
+    tokens; that mean times the segment's count is summed over the group and divided by the
+    global count, the same global token mean.
     """
 
-    def __init__(self, sp_group: comm.Group) -> None:
+    def __init__(self, sp_group: comm.Group, local: nn.Module | None = None) -> None:
         super().__init__()
         self.sp_group = sp_group
+        self.local = local
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.local is not None:
+            return self._around_local(self.local, logits, labels)
         if labels is None:
             return logits
         if comm.get_world_size(self.sp_group) > 1:
@@ -117,3 +127,14 @@ class SequenceParallelOutput(nn.Module):
         return F.cross_entropy(
             logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
         )
+
+    def _around_local(
+        self, local: nn.Module, logits: torch.Tensor, labels: torch.Tensor | None
+    ) -> torch.Tensor:
+        out: torch.Tensor = local(logits, labels)
+        if labels is None or comm.get_world_size(self.sp_group) == 1:
+            return out
+        count = (labels != -100).sum().to(torch.float32)
+        total = count.clone()
+        comm.all_reduce(total, group=self.sp_group, label="sp.token_count")
+        return all_reduce_scalar(out.float() * count, self.sp_group) / total.clamp(min=1)

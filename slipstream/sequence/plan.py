@@ -78,6 +78,7 @@ def parallelize_sequence_(
     sp_group: comm.Group,
     ring_groups: RingGroups | None = None,
     local_group: comm.Group | None = None,
+    tp_size: int = 1,
 ) -> nn.Module:
     """Make ``model`` run on sequence segments sharded over ``sp_group``, in place.
 
@@ -92,6 +93,8 @@ def parallelize_sequence_(
     ``local_group``: a group of this rank alone, with which a Hugging Face model under
     Ulysses attends within each document of packed rows
     (:func:`~slipstream.sequence.hf.install_hf_ulysses_`).
+    ``tp_size``: the tensor-parallel degree the model was already split over
+    (``parallelize_tp_``); a Hugging Face model's head counts are checked per TP rank.
 
     Raises:
         ValueError: no submodule takes part while the group has more than one rank (the model
@@ -126,9 +129,9 @@ def parallelize_sequence_(
             bound += 1
     if bound == 0 and comm.get_world_size(sp_group) > 1 and is_hf_attention_model(model):
         if ring_groups is not None:
-            install_hf_ring_(model, sp_group, *ring_groups)
+            install_hf_ring_(model, sp_group, *ring_groups, tp_size=tp_size)
         else:
-            install_hf_ulysses_(model, sp_group, local_group)
+            install_hf_ulysses_(model, sp_group, local_group, tp_size=tp_size)
         bound += 1
     if bound == 0 and comm.get_world_size(sp_group) > 1:
         raise ValueError(

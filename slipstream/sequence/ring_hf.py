@@ -168,7 +168,11 @@ def ring_hf_attention(
 
 
 def install_hf_ring_(
-    model: nn.Module, sp_group: comm.Group, ulysses_group: comm.Group, ring_group: comm.Group
+    model: nn.Module,
+    sp_group: comm.Group,
+    ulysses_group: comm.Group,
+    ring_group: comm.Group,
+    tp_size: int = 1,
 ) -> str:
     """Make a transformers causal LM train on zig-zag sequence shards over ``sp_group``
     (Ulysses over ``ulysses_group`` inside ring steps over ``ring_group``), in place.
@@ -176,6 +180,8 @@ def install_hf_ring_(
     Registers the attention function under a new name and points the config at it, sets the
     sharded loss, and adds the pre-hook (positions, packing, mask refusal).
     ``slipstream.initialize`` calls this for ``sequence_parallel_mode: "ring"``.
+    ``tp_size``: the tensor-parallel degree the model is already split over (the Ulysses
+    degree must split each TP rank's ``heads / tp_size`` heads; pure ring takes any count).
 
     Returns:
         The attention name the model uses.
@@ -191,7 +197,12 @@ def install_hf_ring_(
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
     ring = comm.get_world_size(ring_group)
     ulysses = comm.get_world_size(ulysses_group)
-    message = check_usp_heads(heads, kv, ulysses)
+    message = check_usp_heads(heads // tp_size, kv // tp_size, ulysses)
+    if message is not None and tp_size > 1:
+        message += (
+            f" (counts per TP rank: tensor_parallel.autotp_size={tp_size} splits "
+            f"num_attention_heads={heads}, num_key_value_heads={kv})"
+        )
     if message is not None:
         raise ValueError(f"{type(model).__name__}: {message}")
     packing = Packing()
