@@ -124,3 +124,34 @@ def test_sparse_routes_equal_deepspeed(ds_moe: Any, k: int, drop_tokens: bool) -
             assert got[i].dtype == expected[i].dtype, (i, got[i].dtype, expected[i].dtype)
             torch.testing.assert_close(got[i], expected[i], rtol=1e-6, atol=1e-7)
         assert (got[3] < 0).any() == drop_tokens  # a capacity of 0.5 drops routes
+
+
+def test_signatures_are_deepspeeds(ds_moe: Any) -> None:
+    """Every public callable of deepspeed.moe takes DeepSpeed 0.19.8's parameters, in its
+    order, with its defaults (keyword calls written for DeepSpeed bind the same)."""
+    import importlib
+    import inspect
+
+    from slipstream.moe import layer, utils
+
+    ds_utils = importlib.import_module("deepspeed.moe.utils")
+    pairs = [
+        (ds_moe.layer.MoE.__init__, layer.MoE.__init__),
+        (ds_moe.layer.MoE.forward, layer.MoE.forward),
+        (ds_moe.sharded_moe.TopKGate.__init__, ours.TopKGate.__init__),
+        (ds_moe.sharded_moe.TopKGate.forward, ours.TopKGate.forward),
+        (ds_moe.sharded_moe.MOELayer.__init__, ours.MOELayer.__init__),
+        (ds_moe.sharded_moe.top1gating, ours.top1gating),
+        (ds_moe.sharded_moe.top2gating, ours.top2gating),
+        (ds_moe.sharded_moe.topkgating, ours.topkgating),
+    ]
+    for name in (
+        "split_params_into_different_moe_groups_for_optimizer",
+        "is_moe_param",
+        "has_moe_layers",
+    ):
+        pairs.append((getattr(ds_utils, name), getattr(utils, name)))
+    for theirs, mine in pairs:
+        want = [(p.name, p.default) for p in inspect.signature(theirs).parameters.values()]
+        got = [(p.name, p.default) for p in inspect.signature(mine).parameters.values()]
+        assert got == want, theirs.__qualname__
