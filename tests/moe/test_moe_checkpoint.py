@@ -101,7 +101,7 @@ def test_safetensors_export_loads_with_from_pretrained(
     """convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=True) of the ep2 AutoEP
     checkpoint writes model.safetensors and the model's config.json: Mixtral's
     from_pretrained reads the directory with every expert, nothing missing or unexpected,
-    and its parameters are the trained ones."""
+    its parameters are the trained ones, and AutoEP converts it again with the same logits."""
     from transformers import MixtralForCausalLM
 
     from slipstream.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
@@ -118,3 +118,12 @@ def test_safetensors_export_loads_with_from_pretrained(
     for name, p in trained.items():
         torch.testing.assert_close(got[name].detach(), p, rtol=0, atol=0)
     assert got["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4  # both ranks' experts
+    # The round trip closes: AutoEP converts the from_pretrained model, with the same logits.
+    from slipstream.config.expert import ExpertParallelConfig
+    from slipstream.moe.autoep import convert_hf_moe_
+
+    model.eval()
+    ids = aw.batch(0, 0)
+    ref = model(input_ids=ids).logits
+    assert convert_hf_moe_(model, ExpertParallelConfig(enabled=True), 0)
+    torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
