@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.config._errors import ConfigError
 from slipstream.distributed import comm
 from slipstream.models.gpt import Block, GPTConfig, RMSNorm
 from slipstream.parallel.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
@@ -142,7 +143,17 @@ def gpt_pipeline_layers(config: GPTConfig) -> list[LayerSpec]:
 
     Tensor parallelism splits these layers like the ``GPT`` (``tp_styles``); dropout and
     sequence parallelism of the ``GPT`` are not carried over.
+
+    Raises:
+        ConfigError: ``config.moe`` is set (the layers would place no experts, or drop their
+            auxiliary losses from the pipeline's loss).
     """
+    if config.moe is not None:
+        raise ConfigError(
+            f"GPTConfig.moe = {config.moe!r} with gpt_pipeline_layers is not supported: the "
+            "pipeline's loss does not carry the MoE layers' auxiliary losses; train the GPT "
+            "with experts without pipeline parallelism, or set moe=None"
+        )
     if config.tie_embeddings:
         first: LayerSpec = TiedLayerSpec("embed", GPTEmbeddingLayer, config)
         head: LayerSpec = TiedLayerSpec("embed", GPTEmbeddingLayer, config, forward_fn=tied_lm_head)

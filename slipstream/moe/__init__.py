@@ -6,7 +6,13 @@ from slipstream.moe.dropless import DroplessMoE, GroupedExperts, RouterConfig, T
 from slipstream.moe.experts import Experts
 from slipstream.moe.gating import Routes, TopKGate
 from slipstream.moe.layer import MoE
-from slipstream.moe.plan import clip_grad_norm_, expert_parallel_, reduce_gradients_, routing_stats
+from slipstream.moe.plan import (
+    agree_expert_groups,
+    clip_grad_norm_,
+    expert_parallel_,
+    reduce_gradients_,
+    routing_stats,
+)
 from slipstream.moe.utils import has_moe_layers, is_moe_param, moe_layers
 
 __all__ = [
@@ -20,6 +26,7 @@ __all__ = [
     "RoutingStats",
     "TokenChoiceRouter",
     "TopKGate",
+    "agree_expert_groups",
     "clip_grad_norm_",
     "expert_parallel_",
     "has_moe_layers",

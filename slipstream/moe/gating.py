@@ -98,6 +98,20 @@ class Routes:
         )
         return out, out.bool()
 
+    def sparse(self) -> tuple[Tensor, int, Tensor, Tensor, Tensor]:
+        """``(capacity, num_experts, indices [k, s], locations [k, s], gates [k, s])``: the
+        per-route form DeepSpeed's gating returns with ``sparse_routes=True`` (int32 expert
+        ids with -1 for a dropped route, int32 slots, fp32 combine weights; capacity an int64
+        scalar tensor, as DeepSpeed computes it)."""
+        capacity = torch.tensor(self.capacity, dtype=torch.int64, device=self.experts.device)
+        return (
+            capacity,
+            self.num_experts,
+            self.experts.to(torch.int32),
+            self.slots.to(torch.int32),
+            self.weights,
+        )
+
 
 _SAMPLERS: dict[tuple[str, torch.device, float], Callable[[torch.Size], Tensor]] = {}
 
@@ -368,9 +382,18 @@ class TopKGate(nn.Module):
         )
 
     def forward(
-        self, input: Tensor, used_token: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """DeepSpeed's gate result: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+        self,
+        input: Tensor,
+        used_token: Tensor | None = None,
+        sparse_routes: bool = False,
+        use_tutel: bool = False,
+    ) -> tuple[Tensor | int, ...]:
+        """DeepSpeed's gate result: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or
+        with ``sparse_routes`` ``(l_aux, capacity, num_experts, indices, locations, gates,
+        exp_counts)`` (:meth:`Routes.sparse`). ``use_tutel`` changes nothing here (DeepSpeed
+        uses it for a faster cumulative sum of the same value)."""
         r = self.routes(input, used_token)
+        if sparse_routes:
+            return r.l_aux, *r.sparse(), r.exp_counts
         combine, dispatch = r.dense()
         return r.l_aux, combine, dispatch, r.exp_counts

@@ -28,6 +28,7 @@ from slipstream.moe.utils import is_moe_param, moe_layers
 
 __all__ = [
     "ExpertPlacement",
+    "agree_expert_groups",
     "clip_grad_norm_",
     "expert_parallel_",
     "reduce_gradients_",
@@ -65,6 +66,20 @@ def expert_parallel_(
             for p in layer.expert_module.parameters():
                 p.expert_placement = place  # type: ignore[attr-defined]
     return out
+
+
+def agree_expert_groups(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every ``ep_size``'s expert groups on every rank, in one order, before
+    :func:`expert_parallel_` runs on the ranks whose layers need them.
+
+    Pipeline stages hold different layers, so some ranks may have no MoE layer, or other
+    ``ep_size`` s, than others; but a process group is made by every rank of the world, and a
+    rank that skipped one would name every later group differently (the next group any rank
+    makes, in this engine or the next, would hang). One object all-gather over the world.
+    """
+    mine = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1})
+    for ep_size in sorted({s for sizes in comm.all_gather_object(mine) for s in sizes}):
+        expert_groups(mesh, ep_size)
 
 
 @dataclass(frozen=True)

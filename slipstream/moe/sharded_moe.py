@@ -1,7 +1,9 @@
 """``deepspeed.moe.sharded_moe``: the gate, the MoE layer and the gating functions under
 DeepSpeed's names. The implementations live in :mod:`slipstream.moe.gating` and
 :mod:`slipstream.moe.dispatch`; the functions here return DeepSpeed's dense form
-``(l_aux, combine_weights [s, e, c], dispatch_mask [s, e, c], exp_counts)``.
+``(l_aux, combine_weights [s, e, c], dispatch_mask [s, e, c], exp_counts)``, or with
+``sparse_routes=True`` DeepSpeed's per-route form ``(l_aux, capacity, num_experts, indices
+[k, s], locations [k, s], gates [k, s], exp_counts)``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from torch import Tensor
 from slipstream.distributed import comm
 from slipstream.moe.dispatch import MOELayer
 from slipstream.moe.gating import (
+    Routes,
     TopKGate,
     gumbel_rsample,
     multiplicative_jitter,
@@ -39,8 +42,9 @@ def top1gating(
     drop_tokens: bool = True,
     use_rts: bool = True,
     ep_group: comm.Group = None,
+    sparse_routes: bool = False,
     use_tutel: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor | int, ...]:
     """Top-1 gating; see :func:`slipstream.moe.gating.top1_routes`."""
     r = top1_routes(
         logits,
@@ -52,7 +56,7 @@ def top1gating(
         use_rts,
         ep_group,
     )
-    return r.l_aux, *r.dense(), r.exp_counts
+    return _deepspeed_form(r, sparse_routes)
 
 
 def top2gating(
@@ -62,12 +66,13 @@ def top2gating(
     drop_tokens: bool = True,
     ep_group: comm.Group = None,
     top2_2nd_expert_sampling: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    sparse_routes: bool = False,
+) -> tuple[Tensor | int, ...]:
     """Top-2 gating; see :func:`slipstream.moe.gating.top2_routes`."""
     r = top2_routes(
         logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling
     )
-    return r.l_aux, *r.dense(), r.exp_counts
+    return _deepspeed_form(r, sparse_routes)
 
 
 def topkgating(
@@ -78,7 +83,8 @@ def topkgating(
     drop_tokens: bool = True,
     ep_group: comm.Group = None,
     drop_policy: str = "probs",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    sparse_routes: bool = False,
+) -> tuple[Tensor | int, ...]:
     """Top-k gating (tokens with the largest gates kept); see
     :func:`slipstream.moe.gating.topk_routes`.
 
@@ -91,4 +97,12 @@ def topkgating(
             "tokens with the largest gate values) is implemented"
         )
     r = topk_routes(logits, k, capacity_factor, min_capacity, drop_tokens, ep_group)
+    return _deepspeed_form(r, sparse_routes)
+
+
+def _deepspeed_form(r: Routes, sparse_routes: bool) -> tuple[Tensor | int, ...]:
+    """``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or DeepSpeed's per-route
+    form with ``sparse_routes`` (:meth:`Routes.sparse`)."""
+    if sparse_routes:
+        return r.l_aux, *r.sparse(), r.exp_counts
     return r.l_aux, *r.dense(), r.exp_counts

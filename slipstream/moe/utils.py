@@ -31,9 +31,10 @@ def moe_layers(module: nn.Module) -> list[MoE | DroplessMoE | AutoEPExperts]:
     return [m for m in module.modules() if isinstance(m, MoE | DroplessMoE | AutoEPExperts)]
 
 
-def has_moe_layers(module: nn.Module) -> tuple[bool, int]:
-    """``(True, num_experts of the first MoE layer)``, or ``(False, 0)`` without MoE layers."""
-    layers = moe_layers(module)
+def has_moe_layers(m: nn.Module) -> tuple[bool, int]:
+    """``(True, num_experts of the first MoE layer)``, or ``(False, 0)`` without MoE layers
+    (``m``: DeepSpeed's argument name)."""
+    layers = moe_layers(m)
     return (True, layers[0].num_experts) if layers else (False, 0)
 
 

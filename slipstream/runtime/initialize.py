@@ -29,7 +29,7 @@ from slipstream.distributed.mesh import (
     dp_sp_group,
 )
 from slipstream.distributed.topology import resolve_ranks_per_node
-from slipstream.moe import expert_parallel_, moe_layers
+from slipstream.moe import agree_expert_groups, expert_parallel_, moe_layers
 from slipstream.moe.autoep import autoep_, new_param, remap_params_
 from slipstream.parallel.pipeline import PipelineModule
 from slipstream.precision import LossScaler, PrecisionPolicy
@@ -142,6 +142,8 @@ def initialize(
     if cfg.expert_parallel.enabled:  # AutoEP: HF MoE blocks to expert-parallel experts
         model_parameters = _autoep(model, cfg, mesh, client_opt, model_parameters)
     # MoE: each layer's expert-parallel group from the mesh; ZeRO reduces experts over theirs.
+    if dims.pp > 1:  # stages hold different layers; every rank makes every group
+        agree_expert_groups(model, mesh)
     experts = expert_parallel_(model, mesh) if moe_layers(model) else None
     groups, make_optimizer = _optimizer_plan(model, optimizer, model_parameters, cfg)
     zero_opt: ZeroOptimizer | None = None

@@ -123,3 +123,16 @@ def test_gpt_moe_ep2_trains_like_ep1(capacity_factor: float | None) -> None:
     ep_size 1's losses on every rank (no drops: dropless, or a capacity nothing exceeds)."""
     for res in run_world(_train, 2, capacity_factor):
         assert res[2] == pytest.approx(res[1], rel=1e-4)
+
+
+def test_pipeline_layers_refuse_experts() -> None:
+    """gpt_pipeline_layers would build blocks without their experts' auxiliary loss (and,
+    with every=2, no experts at all): refused by name; the dense config still builds."""
+    from slipstream.models.gpt_pipeline import gpt_pipeline_layers
+
+    with pytest.raises(ConfigError, match=r"GPTConfig.moe = .* with gpt_pipeline_layers"):
+        gpt_pipeline_layers(_config(k=1, capacity_factor=None))
+    assert (
+        len(gpt_pipeline_layers(GPTConfig.preset("tiny")))
+        == GPTConfig.preset("tiny").num_layers + 3
+    )

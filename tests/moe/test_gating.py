@@ -145,3 +145,27 @@ def test_errors_name_the_setting() -> None:
     layer = MoE(4, nn.Linear(4, 4), num_experts=4, ep_size=2)
     with pytest.raises(RuntimeError, match="expert_parallel_"):
         layer(torch.randn(8, 4))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sparse_routes_name_the_dense_entries(k: int) -> None:
+    """sparse_routes=True: each kept route's (expert, slot, gate) is the one nonzero entry of
+    its token's dense combine weights, a dropped route is expert -1 with gate 0, and the
+    capacity is the dense form's last dimension."""
+    from slipstream.moe import sharded_moe as sm
+
+    logits = torch.randn(20, 5, generator=torch.Generator().manual_seed(k))
+    fn = {1: sm.top1gating, 2: sm.top2gating, 3: sm.topkgating}[k]
+    args = (0.5, 1) if k < 3 else (3, 0.5, 1)
+    torch.manual_seed(0)
+    l_aux, combine, _, counts = fn(logits, *args)
+    torch.manual_seed(0)
+    s_aux, capacity, experts, idx, loc, gates, s_counts = fn(logits, *args, sparse_routes=True)
+    assert (s_aux, experts) == (l_aux, 5) and torch.equal(counts, s_counts)
+    assert int(capacity) == combine.shape[2] and idx.dtype == loc.dtype == torch.int32
+    assert idx.shape == (k, 20) and (idx < 0).any()  # capacity 0.5 drops some routes
+    rebuilt = torch.zeros_like(combine)
+    for r, t in zip(*torch.nonzero(idx >= 0, as_tuple=True), strict=True):
+        rebuilt[t, idx[r, t], loc[r, t]] += gates[r, t]
+    torch.testing.assert_close(rebuilt, combine, rtol=0, atol=0)
+    assert torch.all(gates[idx < 0] == 0)

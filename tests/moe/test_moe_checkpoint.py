@@ -1,7 +1,8 @@
 """MoE checkpoints save each expert once by its global expert id and load at another world
 size, ep_size and ZeRO stage: saved at ep_size 2 on 2 ranks (ZeRO-3) and loaded at ep_size 1
 on one process (ZeRO-2), and the reverse, the parameters are equal and training continues
-with the same losses. zero_to_fp32 of an AutoEP checkpoint gives the plain Hugging Face state dict."""
+with the same losses. zero_to_fp32 of an AutoEP checkpoint gives the plain Hugging Face state
+dict, and its safetensors export loads with Mixtral's from_pretrained."""
 
 from __future__ import annotations
 
@@ -92,3 +93,37 @@ def test_export_is_a_plain_hf_state_dict(cases: dict[str, Any]) -> None:
     trained = cases["autoep"]["ep1_loads_ep2"]["params"]
     for name, p in trained.items():
         torch.testing.assert_close(sd[name], p, rtol=0, atol=0)
+
+
+def test_safetensors_export_loads_with_from_pretrained(
+    cases: dict[str, Any], tmp_path: Path
+) -> None:
+    """convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=True) of the ep2 AutoEP
+    checkpoint writes model.safetensors and the model's config.json: Mixtral's
+    from_pretrained reads the directory with every expert, nothing missing or unexpected,
+    its parameters are the trained ones, and AutoEP converts it again with the same logits."""
+    from transformers import MixtralForCausalLM
+
+    from slipstream.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    out = tmp_path / "hf"
+    ckpt = cases["ep2_dir"] + "/autoep"
+    convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, safe_serialization=True, tag="t")
+    assert {p.name for p in out.iterdir()} >= {"model.safetensors", "config.json"}
+    model, info = MixtralForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    trained = cases["autoep"]["ep1_loads_ep2"]["params"]
+    got = dict(model.named_parameters())
+    assert got.keys() == trained.keys()
+    for name, p in trained.items():
+        torch.testing.assert_close(got[name].detach(), p, rtol=0, atol=0)
+    assert got["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4  # both ranks' experts
+    # The round trip closes: AutoEP converts the from_pretrained model, with the same logits.
+    from slipstream.config.expert import ExpertParallelConfig
+    from slipstream.moe.autoep import convert_hf_moe_
+
+    model.eval()
+    ids = aw.batch(0, 0)
+    ref = model(input_ids=ids).logits
+    assert convert_hf_moe_(model, ExpertParallelConfig(enabled=True), 0)
+    torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)

@@ -92,3 +92,66 @@ def test_gating_functions_equal_deepspeed(ds_moe: Any, k: int) -> None:
         got = call(ours)
         for e, g in zip(expected, got, strict=True):
             torch.testing.assert_close(g.float(), e.float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("drop_tokens", [True, False])
+def test_sparse_routes_equal_deepspeed(ds_moe: Any, k: int, drop_tokens: bool) -> None:
+    """sparse_routes=True (what DeepSpeed's own MOELayer asks its gate for): the same
+    (l_aux, capacity, num_experts, indices, locations, gates, exp_counts), dtypes included,
+    from the functions and from TopKGate.forward(input, used_token, sparse_routes, use_tutel)."""
+    torch.manual_seed(0)
+    theirs = ds_moe.sharded_moe.TopKGate(8, 6, k=k, min_capacity=2, drop_tokens=drop_tokens)
+    mine = ours.TopKGate(8, 6, k=k, min_capacity=2, drop_tokens=drop_tokens)
+    mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(24, 8, generator=torch.Generator().manual_seed(k))
+    logits = torch.randn(24, 6, generator=torch.Generator().manual_seed(k + 10))
+    fn = {1: "top1gating", 2: "top2gating", 3: "topkgating"}[k]
+    args = (logits, 0.5, 2) if k < 3 else (logits, 3, 0.5, 2)
+    for call in (
+        lambda m: getattr(m, fn)(
+            args[0].clone(), *args[1:], drop_tokens=drop_tokens, sparse_routes=True
+        ),
+        lambda m: (theirs if m is ds_moe.sharded_moe else mine)(x, None, True, False),
+    ):
+        torch.manual_seed(1)
+        expected = call(ds_moe.sharded_moe)
+        torch.manual_seed(1)
+        got = call(ours)
+        assert len(got) == len(expected) == 7
+        assert got[2] == expected[2]  # num_experts, an int
+        for i in (0, 1, 3, 4, 5, 6):
+            assert got[i].dtype == expected[i].dtype, (i, got[i].dtype, expected[i].dtype)
+            torch.testing.assert_close(got[i], expected[i], rtol=1e-6, atol=1e-7)
+        assert (got[3] < 0).any() == drop_tokens  # a capacity of 0.5 drops routes
+
+
+def test_signatures_are_deepspeeds(ds_moe: Any) -> None:
+    """Every public callable of deepspeed.moe takes DeepSpeed 0.19.8's parameters, in its
+    order, with its defaults (keyword calls written for DeepSpeed bind the same)."""
+    import importlib
+    import inspect
+
+    from slipstream.moe import layer, utils
+
+    ds_utils = importlib.import_module("deepspeed.moe.utils")
+    pairs = [
+        (ds_moe.layer.MoE.__init__, layer.MoE.__init__),
+        (ds_moe.layer.MoE.forward, layer.MoE.forward),
+        (ds_moe.sharded_moe.TopKGate.__init__, ours.TopKGate.__init__),
+        (ds_moe.sharded_moe.TopKGate.forward, ours.TopKGate.forward),
+        (ds_moe.sharded_moe.MOELayer.__init__, ours.MOELayer.__init__),
+        (ds_moe.sharded_moe.top1gating, ours.top1gating),
+        (ds_moe.sharded_moe.top2gating, ours.top2gating),
+        (ds_moe.sharded_moe.topkgating, ours.topkgating),
+    ]
+    for name in (
+        "split_params_into_different_moe_groups_for_optimizer",
+        "is_moe_param",
+        "has_moe_layers",
+    ):
+        pairs.append((getattr(ds_utils, name), getattr(utils, name)))
+    for theirs, mine in pairs:
+        want = [(p.name, p.default) for p in inspect.signature(theirs).parameters.values()]
+        got = [(p.name, p.default) for p in inspect.signature(mine).parameters.values()]
+        assert got == want, theirs.__qualname__
