@@ -180,15 +180,18 @@ def test_grpo_scores_at_the_sampling_temperature():
     )
 
 
-def _ragged_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Six rows: left-padded prompts of 4-6 tokens in 6 columns, answers of 1-7 tokens
-    (EOS 5 ends all but the longest) right-padded to 7 columns."""
+def _ragged_batch(shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Six rows: left-padded prompts of 4-6 tokens in 6 columns (with ``shared``, rows 0-2
+    and 3-5 repeat one prompt each, as GRPO's groups do), answers of 1-7 tokens (EOS 5
+    ends all but the longest) right-padded to 7 columns."""
     from slipstream.rlhf.grpo import completion_mask
 
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(6, 48, (6, 6), generator=g)
+    if shared:
+        prompt = prompt[[0, 0, 0, 4, 4, 4]]
     pmask = torch.ones_like(prompt)
-    for row, pad in ((1, 2), (4, 1), (5, 2)):
+    for row, pad in ((1, 2), (4, 1), (5, 2)) if not shared else ((3, 1), (4, 1), (5, 1)):
         pmask[row, :pad], prompt[row, :pad] = 0, 0
     answer = torch.randint(6, 48, (6, 7), generator=g)
     for row, n in enumerate((3, 7, 1, 3, 5, 2)):
@@ -211,17 +214,25 @@ def test_ragged_chunks_group_rows_of_similar_answer_length():
     assert len(same) == 1 and same[0].answer_len == 3
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_ragged_answer_logprobs_equal_one_padded_forward(kind):
-    """Scoring in length-sorted chunks without padding columns (and, for Hugging Face
-    models, the LM head on the answer positions only) gives the answer tokens'
-    log-probabilities, entropies and parameter gradients of one forward over the padded
-    batch, at temperature 1 and below."""
-    seqs, mask, amask = _ragged_batch()
+@pytest.mark.parametrize(
+    ("kind", "shared"), [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)]
+)
+def test_ragged_answer_logprobs_equal_one_padded_forward(kind, shared):
+    """Scoring in length-sorted chunks without padding columns (for Hugging Face models the
+    LM head on the answer positions only, and with repeated prompts each prompt run once,
+    its cache serving its answers) gives the answer tokens' log-probabilities, entropies
+    and parameter gradients of one forward over the padded batch, at temperature 1 and
+    below."""
+    seqs, mask, amask = _ragged_batch(shared)
     for temperature in (1.0, 0.7):
         grads = []
         for ragged in (False, True):
             model = _gpt() if kind == "gpt" else _tiny_llama()
+            lengths: list[int] = []
+            model.register_forward_pre_hook(
+                lambda m, a, k, out=lengths: out.append(k["input_ids"].shape[1]),
+                with_kwargs=True,
+            )
             if ragged:
                 chunks = ragged_chunks(mask, amask, per_chunk_tokens=0)
                 assert len(chunks) > 2  # the test exercises several chunks
@@ -229,6 +240,10 @@ def test_ragged_answer_logprobs_equal_one_padded_forward(kind):
                     model, seqs, mask, amask, temperature, chunks, entropy=True
                 )
                 assert entropy is not None
+                if kind == "llama" and shared:  # two prompts once, then answers alone
+                    assert lengths == [6, 1, 2, 4, 6], lengths
+                else:  # each chunk's window, its last token dropped
+                    assert lengths == [6 - c.start + c.answer_len - 1 for c in chunks]
             else:
                 logits, logp = answer_logprobs(model, seqs, mask, amask.shape[1], temperature)
                 entropy = entropy_from_logits(logits).detach()
