@@ -257,3 +257,46 @@ def test_ragged_answer_logprobs_equal_one_padded_forward(kind, shared):
         assert len(grads[0]) == len(grads[1]) > 0
         for want, got in zip(*grads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_step_scores_ragged_answers_as_one_padded_batch():
+    """GRPOTrainer in one process scores in chunks with shared prompts; three steps (two
+    updates per batch, so the old policy's forward runs too) give the metrics and the
+    weights of the same trainer scoring the padded batch in one forward, on the same
+    ragged answers."""
+    import copy
+
+    import slipstream
+    from slipstream.rlhf import GRPOConfig, GRPOTrainer
+
+    base = _tiny_llama()
+    with torch.no_grad():
+        base.lm_head.weight[5] += 1.5  # EOS likely: answers of ragged lengths
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 24},
+    }
+    cfg = GRPOConfig(group_size=4, max_new_tokens=8, top_k=0, updates_per_batch=2, temperature=0.9)
+    prompts = torch.tensor([[0, 7, 9, 11], [12, 14, 16, 18]])
+    pmask = (prompts != 0).long()
+    runs = []
+    for ragged in (False, True):
+        model = copy.deepcopy(base).train()
+        engine, *_ = slipstream.initialize(model=model, config=config)
+        trainer = GRPOTrainer(
+            engine, lambda p, c: [float(len(x)) for x in c], cfg, reference=copy.deepcopy(base)
+        )
+        if not ragged:
+            trainer._ragged = lambda: False  # type: ignore[method-assign]
+        metrics = [trainer.step(prompts, pmask) for _ in range(3)]
+        runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (plain, plain_w), (chunked, chunked_w) = runs
+    lengths = {m.response_length for m in plain}
+    assert len(lengths) > 1 and max(lengths) < cfg.max_new_tokens  # ragged, padded
+    for a, b in zip(plain, chunked):
+        assert a.response_length == b.response_length  # the same answers were drawn
+        for name in ("reward_mean", "kl", "entropy", "clip_fraction"):
+            assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-4, abs=1e-6)
+    for a, b in zip(plain_w, chunked_w):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
