@@ -231,6 +231,38 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
+class CpuPhases:
+    """Process CPU seconds spent in named methods of one object, patched on the instance
+    (a method called inside another is counted in both: report the difference)."""
+
+    def __init__(self, obj: Any, methods: dict[str, str]) -> None:
+        self.seconds = dict.fromkeys(methods.values(), 0.0)
+        for name, phase in methods.items():
+            setattr(obj, name, self._timed(getattr(obj, name), phase))
+
+    def _timed(self, method: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.process_time() - start
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The seconds since the last call, per phase."""
+        out, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return out
+
+
+def slipstream_phases(trainer: Any) -> CpuPhases:
+    """generate (rollouts), score (reward and the reference's / old policy's forwards),
+    train (the updates: forward, backward, optimizer step)."""
+    methods = {"generate": "generate", "score": "score", "_frozen_logprobs": "frozen"}
+    return CpuPhases(trainer, {**methods, "_update": "train"})
+
+
 # --------------------------------------------------------------------------- (a) and (c)
 
 
@@ -315,7 +347,9 @@ def _grpo_steps(opts: Options, trainer: Any, engine: Any, rank: int) -> list[dic
     return out[opts.warmup :]
 
 
-def _one_grpo_step(trainer: Any, engine: Any, ids: torch.Tensor) -> dict[str, float]:
+def _one_grpo_step(
+    trainer: Any, engine: Any, ids: torch.Tensor, phases: CpuPhases | None = None
+) -> dict[str, float]:
     gathered = engine.hybrid_engine.stats.gather_seconds
     start, cpu = time.perf_counter(), time.process_time()
     metrics = trainer.step(ids, torch.ones_like(ids))
@@ -323,6 +357,11 @@ def _one_grpo_step(trainer: Any, engine: Any, ids: torch.Tensor) -> dict[str, fl
     record["step_s"] = time.perf_counter() - start
     record["cpu_s"] = time.process_time() - cpu
     record["gather_s"] = engine.hybrid_engine.stats.gather_seconds - gathered
+    if phases is not None:
+        cpu_phases = phases.take()
+        record["cpu_generate_s"] = cpu_phases["generate"]
+        record["cpu_score_s"] = cpu_phases["score"] + cpu_phases["frozen"]
+        record["cpu_train_s"] = cpu_phases["train"]
     return record
 
 
@@ -357,12 +396,14 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
     n_rows = opts.prompts * opts.group
     engine, *_ = slipstream.initialize(model=model, config=engine_config(opts, 0, n_rows))
     ours = _grpo_trainer(opts, engine, reference)
+    ours_phases = slipstream_phases(ours)
     # The same trainer with the static decode loop (the rollouts before issue 37).
     static_engine, *_ = slipstream.initialize(
         model=static_model, config=engine_config(opts, 0, n_rows)
     )
     static_engine.hybrid_engine.rollouts = "static"
     ours_static = _grpo_trainer(opts, static_engine, reference)
+    static_phases = slipstream_phases(ours_static)
     ids = random_prompts(opts, opts.prompts, seed=2000)
     texts = [" ".join(f"w{int(t)}" for t in row) for row in random_prompts(opts, 64, seed=3000)]
     total = opts.warmup + opts.steps
@@ -398,19 +439,34 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
     static_steps: list[dict[str, float]] = []
     trl_steps: list[float] = []
     trl_cpu: list[float] = []
+    trl_phases: list[dict[str, float]] = []
+    trl_timer: list[CpuPhases] = []  # set once TRL's trainer exists
 
     class Interleave(TrainerCallback):  # type: ignore[misc]
         """Times each TRL step, then runs one slipstream step outside TRL's timing."""
 
         def on_step_begin(self, *a: Any, **k: Any) -> None:
+            trl_timer[0].take()
             self.start, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
             trl_steps.append(time.perf_counter() - self.start)
             trl_cpu.append(time.process_time() - self.cpu)
-            runs = [(ours_steps, ours, engine), (static_steps, ours_static, static_engine)]
-            for steps, trainer, eng in runs if len(trl_steps) % 2 else runs[::-1]:
-                steps.append(_one_grpo_step(trainer, eng, ids))
+            p = trl_timer[0].take()  # nested: generate in prepare, prepare in training_step
+            trl_phases.append(
+                {
+                    "cpu_generate_s": p["generate"],
+                    "cpu_score_s": p["prepare"] - p["generate"],
+                    "cpu_train_s": trl_cpu[-1] - p["prepare"],
+                    "cpu_optimizer_s": trl_cpu[-1] - p["training_step"],
+                }
+            )
+            runs = [
+                (ours_steps, ours, engine, ours_phases),
+                (static_steps, ours_static, static_engine, static_phases),
+            ]
+            for steps, trainer, eng, phases in runs if len(trl_steps) % 2 else runs[::-1]:
+                steps.append(_one_grpo_step(trainer, eng, ids, phases))
 
     trl = TRLTrainer(
         model=str(workdir / "model"),
@@ -419,6 +475,19 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
         train_dataset=Dataset.from_dict({"prompt": texts}),
         processing_class=tokenizer,
         callbacks=[Interleave()],
+    )
+    # TRL's phases: _generate (rollouts) inside _generate_and_score_completions (+ rewards,
+    # reference forward) inside training_step (+ policy forward, loss, backward); the rest
+    # of the step is gradient clipping and the optimizer.
+    trl_timer.append(
+        CpuPhases(
+            trl,
+            {
+                "_generate": "generate",
+                "_generate_and_score_completions": "prepare",
+                "training_step": "training_step",
+            },
+        )
     )
     trl.train()
     lengths = [
@@ -429,6 +498,7 @@ def _grpo_vs_trl(opts: Options, workdir: Path) -> dict[str, Any]:
     return {
         "trl_s": trl_steps[opts.warmup :],
         "trl_cpu_s": trl_cpu[opts.warmup :],
+        "trl_phases": trl_phases[opts.warmup :],
         "grpo": ours_steps[opts.warmup :],
         "grpo_static": static_steps[opts.warmup :],
         "trl_version": _version("trl"),
@@ -509,6 +579,23 @@ def report_trl(opts: Options, result: dict[str, Any]) -> list[str]:
             f"{name:<18} {_median(wall_s):>9.3f} {_median(cpu_s):>7.3f} {wall:>7.2f} "
             f"{cpu:>10.2f}  " + " ".join(f"{t:.3f}" for t in wall_s)
         )
+    phase_lines = [
+        "process CPU per phase, medians (s): generate / score (reward, reference and "
+        "old-policy forwards) / train (forward, backward, clipping, optimizer)"
+    ]
+    keys = ("cpu_generate_s", "cpu_score_s", "cpu_train_s")
+    for name, steps in (
+        ("slipstream paged", result.get("grpo", [])),
+        ("slipstream static", result.get("grpo_static", [])),
+        ("trl", result.get("trl_phases", [])),
+    ):
+        if steps and all(k in steps[0] for k in keys):
+            parts = " / ".join(f"{_median([s[k] for s in steps]):.3f}" for k in keys)
+            extra = ""
+            if "cpu_optimizer_s" in steps[0]:
+                opt_s = _median([s["cpu_optimizer_s"] for s in steps])
+                extra = f" (of train: clipping + optimizer {opt_s:.3f})"
+            phase_lines.append(f"  {name:<18} {parts}{extra}")
     return [
         *lines,
         f"{'trl':<18} {_median(trl):>9.3f} {_median(trl_cpu):>7.3f} {1.0:>7.2f} {1.0:>10.2f}  "
@@ -518,6 +605,7 @@ def report_trl(opts: Options, result: dict[str, Any]) -> list[str]:
         + f"; answer length slipstream {_median([s['response_length'] for s in result['grpo']]):.1f}"
         + (f", TRL {_median(trl_len):.1f}" if trl_len else "")
         + (f"; TRL logged KL {result['trl_kl'][-1]:.2e}" if result.get("trl_kl") else ""),
+        *(phase_lines if len(phase_lines) > 1 else []),
     ]
 
 

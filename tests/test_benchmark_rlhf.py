@@ -57,7 +57,9 @@ def test_the_two_reward_functions_agree() -> None:
 
 def test_the_grpo_report_compares_both_rollouts_with_trl() -> None:
     """(b)'s table from recorded steps: paged and static rollouts, each over TRL."""
-    step = {"step_s": 1.0, "cpu_s": 0.9, "response_length": 20.0}
+    step = {"step_s": 1.0, "cpu_s": 0.9, "response_length": 20.0, "cpu_generate_s": 0.4}
+    step |= {"cpu_score_s": 0.1, "cpu_train_s": 0.4}
+    trl_phase = {"cpu_generate_s": 2.0, "cpu_score_s": 0.5, "cpu_train_s": 1.1}
     result = {
         "grpo": [dict(step, step_s=1.0)] * 3,
         "grpo_static": [dict(step, step_s=2.0)] * 3,
@@ -65,8 +67,13 @@ def test_the_grpo_report_compares_both_rollouts_with_trl() -> None:
         "trl_cpu_s": [3.6] * 3,
         "trl_version": "x",
         "trl_mean_length": [20.0],
+        "trl_phases": [dict(trl_phase, cpu_optimizer_s=0.2)] * 3,
     }
     lines = report_trl(Options(eos_weight=0.9, group=8), result)
+    phases = {line.split()[0]: line for line in lines if line.startswith("  ")}
+    assert phases["slipstream"].split()[2:] == ["0.400", "/", "0.100", "/", "0.400"]
+    assert phases["trl"].split()[1:6] == ["2.000", "/", "0.500", "/", "1.100"]
+    assert "optimizer 0.200" in phases["trl"]
     paged = next(line for line in lines if line.startswith("slipstream paged"))
     static = next(line for line in lines if line.startswith("slipstream static"))
     assert paged.split()[2:4] == ["1.000", "0.900"] and paged.split()[4] == "0.25"

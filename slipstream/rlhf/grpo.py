@@ -35,6 +35,7 @@ from slipstream.rlhf.policy import (
     entropy_from_logits,
     masked_mean,
     micro_batches,
+    ragged_answer_logprobs,
     sampling_seed,
 )
 from slipstream.rlhf.step_log import log_step_metrics
@@ -169,7 +170,7 @@ class GRPOTrainer:
         rewards = self.score(prompt_ids, prompt_mask, seqs[:, prompt_ids.shape[1] :], answer)
         estimate = grpo_advantages if cfg.estimator == "grpo" else rloo_advantages
         adv = estimate(rewards, cfg.group_size)
-        old, ref = self._frozen_logprobs(seqs, mask, answer.shape[1])
+        old, ref = self._frozen_logprobs(seqs, mask, answer)
         t2 = time.perf_counter()
         sums = torch.zeros(3)
         for _ in range(cfg.updates_per_batch):
@@ -246,25 +247,46 @@ class GRPOTrainer:
         return rewards
 
     # ----------------------------------------------------------------- internals
+    def _ragged(self) -> bool:
+        """Score in length-sorted chunks, padding left out
+        (:func:`~slipstream.rlhf.policy.ragged_answer_logprobs`)? In a single process only:
+        the number of forwards then depends on this rank's answers, and with more ranks a
+        forward may hold collectives (ZeRO-3's gathers, tensor or sequence parallelism)
+        that every rank must call equally often."""
+        return comm.get_world_size() == 1
+
     def _logprobs(
-        self, model: nn.Module, seqs: torch.Tensor, mask: torch.Tensor, answer_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tempered logits, log-probabilities) of the answer tokens under ``model``, at the
-        sampling temperature (see :attr:`GRPOConfig.temperature`)."""
-        return answer_logprobs(model, seqs, mask, answer_len, self.config.temperature)
+        self,
+        model: nn.Module,
+        seqs: torch.Tensor,
+        mask: torch.Tensor,
+        answer: torch.Tensor,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities ``[N, A]`` of the answer tokens under ``model`` at the sampling
+        temperature (see :attr:`GRPOConfig.temperature`), and their entropy (detached)
+        when ``entropy``. Positions past an answer's end are not meaningful (masked out)."""
+        t = self.config.temperature
+        if self._ragged():
+            return ragged_answer_logprobs(model, seqs, mask, answer, t, entropy=entropy)
+        logits, logp = answer_logprobs(model, seqs, mask, answer.shape[1], t)
+        if not entropy:
+            return logp, None
+        with torch.no_grad():
+            return logp, entropy_from_logits(logits)
 
     @torch.no_grad()
     def _frozen_logprobs(
-        self, seqs: torch.Tensor, mask: torch.Tensor, answer_len: int
+        self, seqs: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Answer log-probabilities under the policy before any update (needed only for
         more than one update per batch; with one, the ratio is taken against the detached
         current values) and under the reference (when ``kl_coef`` > 0)."""
         old = ref = None
         if self.config.updates_per_batch > 1:
-            old = self._logprobs(self.engine, seqs, mask, answer_len)[1]
+            old = self._logprobs(self.engine, seqs, mask, answer)[0]
         if self.reference is not None and self.config.kl_coef > 0:
-            ref = self._logprobs(self.reference, seqs, mask, answer_len)[1]
+            ref = self._logprobs(self.reference, seqs, mask, answer)[0]
         return old, ref
 
     def _update(
@@ -285,11 +307,11 @@ class GRPOTrainer:
             seqs.shape[0], gas, "GRPOTrainer", "answers per step",
             "make prompts x group_size a multiple of it",
         )  # fmt: skip
-        answer_len = answer.shape[1]
         stats = torch.zeros(3)
         for rows in chunks:
-            logits, logp = self._logprobs(engine, seqs[rows], mask[rows], answer_len)
             m = answer[rows]
+            logp, entropy = self._logprobs(engine, seqs[rows], mask[rows], m, entropy=True)
+            assert entropy is not None
             out = grpo_loss(
                 logp, adv[rows], m,
                 old_logprobs=None if old is None else old[rows],
@@ -299,7 +321,6 @@ class GRPOTrainer:
             engine.backward(out.loss)
             engine.step()
             with torch.no_grad():
-                entropy = entropy_from_logits(logits)
                 stats += (
                     torch.stack(
                         [

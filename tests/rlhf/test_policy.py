@@ -18,6 +18,8 @@ from slipstream.rlhf.policy import (
     clip_fraction,
     entropy_from_logits,
     position_ids,
+    ragged_answer_logprobs,
+    ragged_chunks,
     sampling_seed,
     selective_log_softmax,
 )
@@ -152,7 +154,7 @@ def test_grpo_scores_at_the_sampling_temperature():
     trainer = GRPOTrainer(engine, lambda p, c: [0.0] * len(c), cfg)
     prompt = torch.tensor([[7, 9, 11, 13]])
     seqs, mask, answer = trainer.generate(prompt, torch.ones_like(prompt))
-    old, _ = trainer._frozen_logprobs(seqs, mask, 1)
+    old, _ = trainer._frozen_logprobs(seqs, mask, answer)
     assert old is not None
     with torch.no_grad():
         logits = model(input_ids=prompt).logits[0, -1].float()
@@ -176,3 +178,125 @@ def test_grpo_scores_at_the_sampling_temperature():
     assert math.exp(float(logp1[0, 0])) == pytest.approx(
         float(untempered[int(seqs[0, -1])]), rel=1e-4
     )
+
+
+def _ragged_batch(shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Six rows: left-padded prompts of 4-6 tokens in 6 columns (with ``shared``, rows 0-2
+    and 3-5 repeat one prompt each, as GRPO's groups do), answers of 1-7 tokens (EOS 5
+    ends all but the longest) right-padded to 7 columns."""
+    from slipstream.rlhf.grpo import completion_mask
+
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(6, 48, (6, 6), generator=g)
+    if shared:
+        prompt = prompt[[0, 0, 0, 4, 4, 4]]
+    pmask = torch.ones_like(prompt)
+    for row, pad in ((1, 2), (4, 1), (5, 2)) if not shared else ((3, 1), (4, 1), (5, 1)):
+        pmask[row, :pad], prompt[row, :pad] = 0, 0
+    answer = torch.randint(6, 48, (6, 7), generator=g)
+    for row, n in enumerate((3, 7, 1, 3, 5, 2)):
+        if n < 7:
+            answer[row, n - 1], answer[row, n:] = 5, 0
+    amask = completion_mask(answer, [5])
+    return torch.cat([prompt, answer], 1), torch.cat([pmask, amask], 1), amask
+
+
+def test_ragged_chunks_group_rows_of_similar_answer_length():
+    _, mask, amask = _ragged_batch()
+    chunks = ragged_chunks(mask, amask, per_chunk_tokens=0)  # a forward costs nothing
+    assert [(c.rows.tolist(), c.start, c.answer_len) for c in chunks] == [
+        ([2], 0, 1), ([5], 2, 2), ([0, 3], 0, 3), ([4], 1, 5), ([1], 2, 7)
+    ]  # fmt: skip
+    one = ragged_chunks(mask, amask, per_chunk_tokens=10_000)  # a forward costs everything
+    assert len(one) == 1 and sorted(one[0].rows.tolist()) == list(range(6))
+    assert (one[0].start, one[0].answer_len) == (0, 7)
+    same = ragged_chunks(torch.ones(4, 9, dtype=torch.long), torch.ones(4, 3, dtype=torch.long))
+    assert len(same) == 1 and same[0].answer_len == 3
+
+
+@pytest.mark.parametrize(
+    ("kind", "shared"), [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)]
+)
+def test_ragged_answer_logprobs_equal_one_padded_forward(kind, shared):
+    """Scoring in length-sorted chunks without padding columns (for Hugging Face models the
+    LM head on the answer positions only, and with repeated prompts each prompt run once,
+    its cache serving its answers) gives the answer tokens' log-probabilities, entropies
+    and parameter gradients of one forward over the padded batch, at temperature 1 and
+    below."""
+    seqs, mask, amask = _ragged_batch(shared)
+    for temperature in (1.0, 0.7):
+        grads = []
+        for ragged in (False, True):
+            model = _gpt() if kind == "gpt" else _tiny_llama()
+            lengths: list[int] = []
+            model.register_forward_pre_hook(
+                lambda m, a, k, out=lengths: out.append(k["input_ids"].shape[1]),
+                with_kwargs=True,
+            )
+            if ragged:
+                chunks = ragged_chunks(mask, amask, per_chunk_tokens=0)
+                assert len(chunks) > 2  # the test exercises several chunks
+                logp, entropy = ragged_answer_logprobs(
+                    model, seqs, mask, amask, temperature, chunks, entropy=True
+                )
+                assert entropy is not None
+                if kind == "llama" and shared:  # two prompts once, then answers alone
+                    assert lengths == [6, 1, 2, 4, 6], lengths
+                else:  # each chunk's window, its last token dropped
+                    assert lengths == [6 - c.start + c.answer_len - 1 for c in chunks]
+            else:
+                logits, logp = answer_logprobs(model, seqs, mask, amask.shape[1], temperature)
+                entropy = entropy_from_logits(logits).detach()
+            m = amask.bool()
+            (logp * amask).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            if not ragged:
+                want_logp, want_entropy = logp.detach()[m], entropy[m]
+        torch.testing.assert_close(logp.detach()[m], want_logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy[m], want_entropy, rtol=1e-5, atol=1e-5)
+        assert len(grads[0]) == len(grads[1]) > 0
+        for want, got in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_step_scores_ragged_answers_as_one_padded_batch():
+    """GRPOTrainer in one process scores in chunks with shared prompts; three steps (two
+    updates per batch, so the old policy's forward runs too) give the metrics and the
+    weights of the same trainer scoring the padded batch in one forward, on the same
+    ragged answers."""
+    import copy
+
+    import slipstream
+    from slipstream.rlhf import GRPOConfig, GRPOTrainer
+
+    base = _tiny_llama()
+    with torch.no_grad():
+        base.lm_head.weight[5] += 1.5  # EOS likely: answers of ragged lengths
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 24},
+    }
+    cfg = GRPOConfig(group_size=4, max_new_tokens=8, top_k=0, updates_per_batch=2, temperature=0.9)
+    prompts = torch.tensor([[0, 7, 9, 11], [12, 14, 16, 18]])
+    pmask = (prompts != 0).long()
+    runs = []
+    for ragged in (False, True):
+        model = copy.deepcopy(base).train()
+        engine, *_ = slipstream.initialize(model=model, config=config)
+        trainer = GRPOTrainer(
+            engine, lambda p, c: [float(len(x)) for x in c], cfg, reference=copy.deepcopy(base)
+        )
+        if not ragged:
+            trainer._ragged = lambda: False  # type: ignore[method-assign]
+        metrics = [trainer.step(prompts, pmask) for _ in range(3)]
+        runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (plain, plain_w), (chunked, chunked_w) = runs
+    lengths = {m.response_length for m in plain}
+    assert len(lengths) > 1 and max(lengths) < cfg.max_new_tokens  # ragged, padded
+    for a, b in zip(plain, chunked):
+        assert a.response_length == b.response_length  # the same answers were drawn
+        for name in ("reward_mean", "kl", "entropy", "clip_fraction"):
+            assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-4, abs=1e-6)
+    for a, b in zip(plain_w, chunked_w):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
