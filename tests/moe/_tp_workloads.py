@@ -172,8 +172,34 @@ def _reload(ckpt: str, expert_tp: bool) -> dict[str, Any]:
     return params
 
 
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def refusals() -> dict[str, str]:
+    """What is refused, by message: sequence parallelism with ep > 1; expert TP asked for
+    but the experts left whole; a dropless layer under tensor parallelism."""
+    from slipstream.distributed.expert import expert_groups
+    from slipstream.distributed.mesh import ParallelDims, build_mesh
+    from slipstream.moe import DroplessMoE, expert_parallel_
+
+    tp_mesh = build_mesh(ParallelDims(world_size=4, tp=2))
+    sp_mesh = build_mesh(ParallelDims(world_size=4, sp=2))
+    dropless = nn.Sequential(DroplessMoE(DIM, HIDDEN, EXPERTS, 2))
+    return {
+        "sp": _error(lambda: expert_groups(sp_mesh, 2)),
+        "unsplit": _error(lambda: expert_parallel_(Net(2, True), tp_mesh)),
+        "dropless": _error(lambda: expert_parallel_(dropless, tp_mesh)),
+    }
+
+
 def world(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {"ref_tp": reference_run(2), "ref_edp": reference_run(4)}
+    out["refusals"] = refusals()
     for expert_tp in (False, True):
         ckpt = f"{tmp}/tp_ep_{expert_tp}"
         # ZeRO-0 with split experts: their TP shards' squares summed over TP at stage 0 too.

@@ -70,3 +70,13 @@ def test_tp_pieces_split_every_expert_evenly() -> None:
     pieces = tp_pieces(torch.tensor([5, 0, 1, 4]), 2)
     assert pieces[0].tolist() == [0, 1, 6, 7]
     assert pieces[1].tolist() == [2, 3, 4, 5, 8, 9]
+
+
+def test_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
+    """ep > 1 with sequence parallelism, expert TP with experts the TP plan left whole, and a
+    dropless layer under tensor parallelism are refused, naming the setting to change."""
+    for res in ranks:
+        msg = res["refusals"]
+        assert "sequence_parallel_size=2" in msg["sp"] and "set ep_size to 1" in msg["sp"]
+        assert "enable_expert_tensor_parallelism=True but no expert parameter" in msg["unsplit"]
+        assert "DroplessMoE layer is not supported" in msg["dropless"]
