@@ -80,3 +80,15 @@ def test_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
         assert "sequence_parallel_size=2" in msg["sp"] and "set ep_size to 1" in msg["sp"]
         assert "enable_expert_tensor_parallelism=True but no expert parameter" in msg["unsplit"]
         assert "DroplessMoE layer is not supported" in msg["dropless"]
+
+
+def test_pipeline_with_ep2_equals_one_process(ranks: list[dict[str, Any]]) -> None:
+    """pp 2 x dp 2, an MoE layer of ep_size 2 on the first stage, 2 micro-batches, ZeRO-1."""
+    for res in ranks:
+        run, ref = res["pipe"], res["ref_pipe"]
+        for step in range(w.STEPS):
+            assert run["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-5)
+            assert run["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-5)
+        assert ref["norms"][0] > w.CLIP
+        for name, p in run["params"].items():
+            torch.testing.assert_close(p, ref["params"][name], **TOL)
