@@ -52,7 +52,7 @@ def expert_parallel_(
 
     Raises:
         ValueError: an ``ep_size`` that does not divide the data-parallel size; tensor
-            parallelism with a layer other than ``MoE``, or experts split (or not) against
+            and expert parallelism in a layer other than ``MoE``, or experts split (or not) against
             the layer's ``enable_expert_tensor_parallelism``.
     """
     layers = moe_layers(model)
@@ -81,13 +81,17 @@ def expert_parallel_(
 
 def _tensor_parallel_(layer: nn.Module, tp_group: comm.Group) -> None:
     """How an MoE layer of a tensor-parallel model computes each token once per TP group
-    (``slipstream.moe.tensor_parallel``); other MoE layer kinds are refused."""
+    (``slipstream.moe.tensor_parallel``). Other MoE layer kinds keep whole experts on every
+    TP rank, each computing every token, and are refused with ``ep_size`` > 1."""
     tp = comm.get_world_size(tp_group)
     if not isinstance(layer, MoE):
+        if layer.ep_size == 1:
+            return  # whole experts on every TP rank, each computing every token (as before)
         raise ValueError(
-            f"tensor parallelism (autotp_size={tp}) with a {type(layer).__name__} layer is not "
-            "supported: only DeepSpeed's MoE layer (slipstream.moe.MoE) composes with tensor "
-            "parallelism; set tensor_parallel.autotp_size to 1 or use slipstream.moe.MoE"
+            f"expert parallelism (ep_size={layer.ep_size}) with tensor parallelism "
+            f"(autotp_size={tp}) in a {type(layer).__name__} layer is not supported: only "
+            "DeepSpeed's MoE layer (slipstream.moe.MoE) has the TP token split; set "
+            "tensor_parallel.autotp_size or the layer's ep_size to 1, or use slipstream.moe.MoE"
         )
     split = [n for n, p in layer.expert_module.named_parameters() if tp_shard(p) is not None]
     if layer.enable_expert_tensor_parallelism:

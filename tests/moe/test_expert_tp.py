@@ -74,12 +74,12 @@ def test_tp_pieces_split_every_expert_evenly() -> None:
 
 def test_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
     """ep > 1 with sequence parallelism, expert TP with experts the TP plan left whole, and a
-    dropless layer under tensor parallelism are refused, naming the setting to change."""
+    dropless layer of ep_size 2 under tensor parallelism are refused, naming the setting to change."""
     for res in ranks:
         msg = res["refusals"]
         assert "sequence_parallel_size=2" in msg["sp"] and "set ep_size to 1" in msg["sp"]
         assert "enable_expert_tensor_parallelism=True but no expert parameter" in msg["unsplit"]
-        assert "DroplessMoE layer is not supported" in msg["dropless"]
+        assert "in a DroplessMoE layer is not supported" in msg["dropless"]
 
 
 def test_pipeline_with_ep2_equals_one_process(ranks: list[dict[str, Any]]) -> None:
