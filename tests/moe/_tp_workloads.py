@@ -9,6 +9,7 @@ head. In the world of 4 gloo ranks:
   computes half of the rows, gradients summed over TP), with it True they are split
   column/row-wise like the dense MLP;
 - ``ep 2, edp 2`` (dp 4, tp 1): 4 experts, two ranks per expert group, at ZeRO-2.
+- ``pp 2 x dp 2``: a ``PipelineModule`` whose first stage holds an ``ep_size`` 2 layer.
 
 Each compares the losses, the global gradient norm (clipping is on and takes effect) and the
 parameters after 3 SGD steps with one process stepping on the mean of the shards' losses.

@@ -1,7 +1,8 @@
 """Expert parallelism with tensor parallelism (tp 2 x ep 2, experts replicated over TP or split
 by expert TP) and 4-rank expert splitting (ep 2, edp 2, ZeRO-2) on 4 gloo ranks equal one
 process on the same global batch: losses, clipped global gradient norms, parameters after 3
-steps; the tp 2 x ep 2 checkpoint loads into a tp 2 x ep 1 engine."""
+steps; the tp 2 x ep 2 checkpoint loads into a tp 2 x ep 1 engine; a 2-stage pipeline with an
+ep_size 2 layer equals one process too; what is refused is refused by name."""
 
 from __future__ import annotations
 
