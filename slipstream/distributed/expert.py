@@ -6,6 +6,10 @@ group (``edp``, ``dp / ep_size`` ranks), over which expert gradients are reduced
 sub-meshes of the one device mesh: its data-parallel ranks (replicate x shard) are unflattened
 into ``(edp, ep)`` (consecutive ranks share an expert-parallel group, DeepSpeed's default) or
 ``(ep, edp)`` (``data_before_expert``), so no group is made outside the mesh.
+
+Under tensor and pipeline parallelism the data-parallel ranks are those of this rank's TP
+coordinate and pipeline stage: the experts are spread over the data-parallel axis only, each
+TP rank and stage has its own groups (``slipstream.moe.tensor_parallel`` for what TP adds).
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ def _dp(mesh: DeviceMesh) -> int:
 
 
 def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    if mesh["sp"].size() > 1 or mesh["tp"].size() > 1:
+    if mesh["sp"].size() > 1:
         raise ValueError(
-            f"expert parallelism with sequence parallelism (sp={mesh['sp'].size()}) or tensor "
-            f"parallelism (tp={mesh['tp'].size()}) is not supported: set ep_size to 1 or use "
-            "sp = tp = 1"
+            f"expert parallelism with sequence parallelism (sequence_parallel_size="
+            f"{mesh['sp'].size()}) is not supported: the expert-parallel group would have to "
+            "span the sequence-parallel ranks too; set ep_size to 1 or sequence_parallel_size "
+            "to 1"
         )
     if mesh["dp_replicate"].size() == 1:
         return mesh["dp_shard"]
@@ -69,7 +74,7 @@ def expert_groups(
     ``torch.distributed`` initialized both groups are single-process (``None``).
 
     Raises:
-        ValueError: ``ep_size`` does not divide the data-parallel size, or sp/tp > 1.
+        ValueError: ``ep_size`` does not divide the data-parallel size, or sp > 1.
     """
     if not comm.is_initialized():
         if ep_size != 1:

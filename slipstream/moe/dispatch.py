@@ -21,6 +21,7 @@ of ``experts * capacity``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +190,9 @@ class MOELayer(nn.Module):
         self.l_aux: Tensor = torch.zeros(())
         self.exp_counts: Tensor = torch.zeros(0, dtype=torch.long)
         self.stats: RoutingStats | None = None
+        # Set by ``expert_parallel_`` under tensor parallelism with TP-replicated experts
+        # (``slipstream.moe.tensor_parallel.TPTokenSplit``): how the rows reach the experts.
+        self.exchange: Callable[..., Tensor] = exchange_and_run
 
     def _set_ep_group(self, ep_group: comm.Group) -> None:
         self.ep_group = ep_group
@@ -210,7 +214,7 @@ class MOELayer(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         routes: Routes = self.gate.routes(flat, used_token)  # type: ignore[operator]
         g = group_by_expert(routes.experts, routes.weights, routes.num_experts)
-        out = exchange_and_run(self.experts, flat[g.tokens], g.counts, self.ep_size, self.ep_group)
+        out = self.exchange(self.experts, flat[g.tokens], g.counts, self.ep_size, self.ep_group)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         self.stats = RoutingStats.of(routes.exp_counts, g.counts)
         return combine(out, g, flat.shape[0], x.dtype).reshape(x.shape)

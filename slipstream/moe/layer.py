@@ -42,12 +42,15 @@ class MoE(nn.Module):
         drop_tokens: drop tokens past the capacity (False: capacity is the busiest expert's load).
         use_rts: random token selection when an expert overflows (top-1).
         use_tutel: accepted and ignored (logged): slipstream's grouped dispatch is used.
-        enable_expert_tensor_parallelism: refused; experts are not tensor-parallel here.
+        enable_expert_tensor_parallelism: under tensor parallelism, split each expert's MLP
+            column/row-wise over the TP group like the dense MLP (the automatic TP plan does;
+            a model's own plan must name the expert layers); False: the experts are
+            replicated over the TP group and each TP rank computes its share of the tokens
+            (``slipstream.moe.tensor_parallel``). Without tensor parallelism it has no effect.
         top2_2nd_expert_sampling: Gumbel-sample the second expert (top-2).
 
     Raises:
-        ValueError: ``num_experts`` not divisible by ``ep_size``, an unknown noise policy,
-            or expert tensor parallelism requested.
+        ValueError: ``num_experts`` not divisible by ``ep_size``, or an unknown noise policy.
     """
 
     def __init__(
@@ -78,11 +81,6 @@ class MoE(nn.Module):
             raise ValueError(
                 f"MoE noisy_gate_policy={noisy_gate_policy!r} is not one of None, 'None', "
                 "'Jitter', 'RSample'"
-            )
-        if enable_expert_tensor_parallelism:
-            raise ValueError(
-                "MoE enable_expert_tensor_parallelism=True is not supported by slipstream: "
-                "experts are replicated within their expert-parallel rank; leave it False"
             )
         if use_tutel:
             logger.info("MoE use_tutel=True ignored: slipstream uses its own grouped dispatch")

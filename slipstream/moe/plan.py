@@ -22,8 +22,10 @@ from torch import nn
 from slipstream.distributed import comm
 from slipstream.distributed.expert import ExpertGroups, expert_groups
 from slipstream.distributed.mesh import DeviceMesh
+from slipstream.distributed.placement import tp_shard
 from slipstream.moe.experts import mark_expert_params
 from slipstream.moe.layer import MoE
+from slipstream.moe.tensor_parallel import TPTokenSplit, sum_expert_grads_over_tp_
 from slipstream.moe.utils import is_moe_param, moe_layers
 
 __all__ = [
@@ -44,14 +46,24 @@ def expert_parallel_(
     Returns the groups by expert group name (``"ep_size_<n>"``). A collective call the first
     time an ``ep_size`` is seen (every rank must make it, in the same order).
 
+    Under tensor parallelism (a ``tp`` axis of ``mesh`` larger than 1) each ``MoE`` layer
+    also gets what ``slipstream.moe.tensor_parallel`` describes: TP-replicated experts compute
+    a share of the tokens each (their gradients summed over the TP group), TP-split experts
+    (``enable_expert_tensor_parallelism``) all of them.
+
     Raises:
-        ValueError: an ``ep_size`` that does not divide the data-parallel size.
+        ValueError: an ``ep_size`` that does not divide the data-parallel size; tensor
+            and expert parallelism in a layer other than ``MoE``, or experts split (or not) against
+            the layer's ``enable_expert_tensor_parallelism``.
     """
     layers = moe_layers(model)
     out: dict[str, ExpertGroups] = {}
+    tp_group = mesh.get_group("tp") if mesh is not None and mesh["tp"].size() > 1 else None
     for layer in layers:
         # Again: replacing parameters (``to_empty`` after meta construction) drops the marks.
         mark_expert_params(layer.expert_module, layer.expert_group_name)
+        if tp_group is not None:
+            _tensor_parallel_(layer, tp_group)
         groups = expert_groups(mesh, layer.ep_size, data_before_expert)
         layer.set_ep_group(groups.ep_group)
         out[layer.expert_group_name] = groups
@@ -80,6 +92,40 @@ def agree_expert_groups(model: nn.Module, mesh: DeviceMesh) -> None:
     mine = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1})
     for ep_size in sorted({s for sizes in comm.all_gather_object(mine) for s in sizes}):
         expert_groups(mesh, ep_size)
+
+
+def _tensor_parallel_(layer: nn.Module, tp_group: comm.Group) -> None:
+    """How an MoE layer of a tensor-parallel model computes each token once per TP group
+    (``slipstream.moe.tensor_parallel``). Other MoE layer kinds keep whole experts on every
+    TP rank, each computing every token, and are refused with ``ep_size`` > 1."""
+    tp = comm.get_world_size(tp_group)
+    if not isinstance(layer, MoE):
+        if layer.ep_size == 1:
+            return  # whole experts on every TP rank, each computing every token (as before)
+        raise ValueError(
+            f"expert parallelism (ep_size={layer.ep_size}) with tensor parallelism "
+            f"(autotp_size={tp}) in a {type(layer).__name__} layer is not supported: only "
+            "DeepSpeed's MoE layer (slipstream.moe.MoE) has the TP token split; set "
+            "tensor_parallel.autotp_size or the layer's ep_size to 1, or use slipstream.moe.MoE"
+        )
+    split = [n for n, p in layer.expert_module.named_parameters() if tp_shard(p) is not None]
+    if layer.enable_expert_tensor_parallelism:
+        if not split:
+            raise ValueError(
+                "MoE enable_expert_tensor_parallelism=True but no expert parameter is split "
+                f"over the tensor-parallel group (autotp_size={tp}): the model's TP plan "
+                "(its tp_plan method) must give each expert's linear layers the 'colwise' and "
+                "'rowwise' styles, or leave the model to the automatic plan"
+            )
+        return  # the split experts' own collectives handle the TP group; rows travel whole
+    if split:
+        raise ValueError(
+            f"MoE expert parameters {split[:2]} are split over the tensor-parallel group but "
+            "the layer has enable_expert_tensor_parallelism=False: set it to True, or leave "
+            "the experts out of the model's TP plan"
+        )
+    layer.deepspeed_moe.exchange = TPTokenSplit(tp_group)
+    sum_expert_grads_over_tp_(layer.expert_module, tp_group)
 
 
 @dataclass(frozen=True)

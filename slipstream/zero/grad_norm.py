@@ -86,20 +86,19 @@ class GradNorm:
         sq = torch.zeros(3, dtype=torch.float32, device=device)  # by kind
         experts: dict[int, tuple[comm.Group, torch.Tensor]] = {}
         for g, parts, ep_group in zip(grads, self._parts, self._expert_groups):
-            if ep_group is not None:
-                _, acc = experts.setdefault(id(ep_group), (ep_group, sq.new_zeros(1)))
-                acc += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                continue
+            acc = sq
+            if ep_group is not None:  # by kind too: experts may be TP shards (expert TP)
+                _, acc = experts.setdefault(id(ep_group), (ep_group, sq.new_zeros(3)))
             if parts is None:
-                sq[_REPLICATED] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                acc[_REPLICATED] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
                 continue
             for sl, kind in parts:
-                sq[kind] += torch.linalg.vector_norm(g[sl], dtype=torch.float32).square()
+                acc[kind] += torch.linalg.vector_norm(g[sl], dtype=torch.float32).square()
         if self.partitioned:
             comm.all_reduce(sq, group=self.dp_group, label="grad_norm")
         for ep_group, acc in experts.values():
             comm.all_reduce(acc, group=ep_group, label="grad_norm_experts")
-            sq[_REPLICATED] += acc[0]
+            sq += acc
         if self.tp_group is not None:
             # Replicated parameters are counted once, so their squares stay local; send
             # ``sq[1] * 0`` along (0 when finite, nan otherwise) so that a non-finite value on

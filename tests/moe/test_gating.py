@@ -140,8 +140,6 @@ def test_errors_name_the_setting() -> None:
         MoE(4, nn.Linear(4, 4), num_experts=3, ep_size=2)
     with pytest.raises(ValueError, match="noisy_gate_policy='Gaussian'"):
         MoE(4, nn.Linear(4, 4), num_experts=2, noisy_gate_policy="Gaussian")
-    with pytest.raises(ValueError, match="enable_expert_tensor_parallelism"):
-        MoE(4, nn.Linear(4, 4), num_experts=2, enable_expert_tensor_parallelism=True)
     layer = MoE(4, nn.Linear(4, 4), num_experts=4, ep_size=2)
     with pytest.raises(RuntimeError, match="expert_parallel_"):
         layer(torch.randn(8, 4))

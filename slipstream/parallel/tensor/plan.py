@@ -108,12 +108,14 @@ def add_block_plan(plan: TPPlan, block: nn.Module, base: str) -> None:
     Linear layers are grouped by parent module (attention, MLP): the last one registered
     writes back to the residual stream and is row-parallel, the others column-parallel. A
     column layer whose output is k times the row layer's input is k fused blocks (q|k|v). A
-    lone linear (e.g. a router) stays replicated. Attributes holding head counts are noted
+    lone linear (e.g. a router) stays replicated, and so do the experts of an MoE layer
+    without ``enable_expert_tensor_parallelism``. Attributes holding head counts are noted
     for division by the TP size.
     """
     by_parent: dict[str, list[tuple[str, nn.Module]]] = {}
+    replicated = _replicated_experts(block)
     for name, module in block.named_modules():
-        if _is_linear(module):
+        if _is_linear(module) and id(module) not in replicated:
             parent = name.rsplit(".", 1)[0] if "." in name else ""
             by_parent.setdefault(parent, []).append((name, module))
     prefix = f"{base}." if base else ""
@@ -132,6 +134,20 @@ def add_block_plan(plan: TPPlan, block: nn.Module, base: str) -> None:
         attrs = [a for a in _HEAD_ATTRS if isinstance(getattr(owner, a, None), int)]
         if attrs:
             plan.head_attrs[prefix + parent if parent else base] = attrs
+
+
+def _replicated_experts(block: nn.Module) -> set[int]:
+    """The modules inside the experts of MoE layers built with
+    ``enable_expert_tensor_parallelism=False`` (DeepSpeed's flag): they stay whole on every TP
+    rank (``slipstream.moe.tensor_parallel``); the experts of the other layers are split like
+    any MLP."""
+    out: set[int] = set()
+    for module in block.modules():
+        if getattr(module, "enable_expert_tensor_parallelism", None) is False:
+            experts = getattr(module, "expert_module", None)
+            if isinstance(experts, nn.Module):
+                out.update(id(m) for m in experts.modules())
+    return out
 
 
 def largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:

@@ -1,0 +1,95 @@
+"""Expert parallelism with tensor parallelism (tp 2 x ep 2, experts replicated over TP or split
+by expert TP) and 4-rank expert splitting (ep 2, edp 2, ZeRO-2) on 4 gloo ranks equal one
+process on the same global batch: losses, clipped global gradient norms, parameters after 3
+steps; the tp 2 x ep 2 checkpoint loads into a tp 2 x ep 1 engine; a 2-stage pipeline with an
+ep_size 2 layer equals one process too; what is refused is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_world
+from tests.moe import _tp_workloads as w
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("expert_tp"))
+    out: list[dict[str, Any]] = run_world(w.world, 4, tmp, timeout_s=500)
+    return out
+
+
+def _check(res: dict[str, Any], ref: dict[str, Any]) -> None:
+    for step in range(w.STEPS):
+        assert res["losses"][step] == pytest.approx(ref["losses"][step][res["dp_rank"]], rel=1e-5)
+        assert res["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-5)
+    assert ref["norms"][0] > w.CLIP  # clipping took effect
+    for name, (p, shard) in res["params"].items():
+        torch.testing.assert_close(p, w.expected(ref["params"], name, shard), **TOL)
+
+
+@pytest.mark.parametrize("expert_tp", [False, True])
+def test_tp2_ep2_equals_one_process(ranks: list[dict[str, Any]], expert_tp: bool) -> None:
+    """tp 2 x ep 2: experts whole on both TP ranks (ZeRO-1; each computes half of the rows)
+    or split by expert TP (ZeRO-0); every rank's parameters equal the one-process ones."""
+    for res in ranks:
+        run = res[f"tp2_ep2_{expert_tp}"]
+        assert run["expert_split"] is expert_tp
+        # Replicated experts: each TP rank computes its half of the rows (TPTokenSplit).
+        assert run["exchange"] == ("exchange_and_run" if expert_tp else "TPTokenSplit")
+        assert run["edp"] == [1]  # ep 2 over dp 2: one rank per expert group
+        _check(run, res["ref_tp"])
+
+
+@pytest.mark.parametrize("expert_tp", [False, True])
+def test_tp2_ep2_checkpoint_loads_at_ep1(ranks: list[dict[str, Any]], expert_tp: bool) -> None:
+    """Every expert was saved once under its global id: a tp 2 x ep 1 engine reads them all."""
+    for res in ranks:
+        loaded = res[f"reload_{expert_tp}"]
+        assert len([n for n in loaded if w.PREFIX in n]) == 4 * w.EXPERTS
+        for name, (p, shard) in loaded.items():
+            torch.testing.assert_close(p, w.expected(res["ref_tp"]["params"], name, shard), **TOL)
+
+
+def test_four_rank_expert_splitting_zero2(ranks: list[dict[str, Any]]) -> None:
+    """4 experts, ep 2, edp 2 (two ranks per expert group) at ZeRO-2 equal one process."""
+    for res in ranks:
+        run = res["ep2_edp2"]
+        assert run["edp"] == [2]
+        _check(run, res["ref_edp"])
+
+
+def test_tp_pieces_split_every_expert_evenly() -> None:
+    """Rank r takes rows [c*r//tp, c*(r+1)//tp) of each expert's block, in row order."""
+    from slipstream.moe.tensor_parallel import tp_pieces
+
+    pieces = tp_pieces(torch.tensor([5, 0, 1, 4]), 2)
+    assert pieces[0].tolist() == [0, 1, 6, 7]
+    assert pieces[1].tolist() == [2, 3, 4, 5, 8, 9]
+
+
+def test_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
+    """ep > 1 with sequence parallelism, expert TP with experts the TP plan left whole, and a
+    dropless layer of ep_size 2 under tensor parallelism are refused, naming the setting to change."""
+    for res in ranks:
+        msg = res["refusals"]
+        assert "sequence_parallel_size=2" in msg["sp"] and "set ep_size to 1" in msg["sp"]
+        assert "enable_expert_tensor_parallelism=True but no expert parameter" in msg["unsplit"]
+        assert "in a DroplessMoE layer is not supported" in msg["dropless"]
+
+
+def test_pipeline_with_ep2_equals_one_process(ranks: list[dict[str, Any]]) -> None:
+    """pp 2 x dp 2, an MoE layer of ep_size 2 on the first stage, 2 micro-batches, ZeRO-1."""
+    for res in ranks:
+        run, ref = res["pipe"], res["ref_pipe"]
+        for step in range(w.STEPS):
+            assert run["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-5)
+            assert run["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-5)
+        assert ref["norms"][0] > w.CLIP
+        for name, p in run["params"].items():
+            torch.testing.assert_close(p, ref["params"][name], **TOL)
