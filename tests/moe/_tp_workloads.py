@@ -198,98 +198,6 @@ def refusals() -> dict[str, str]:
     }
 
 
-class MoEHidden(nn.Module):
-    """A pipeline layer: ``h + MoE(h)`` (a pipeline layer passes activations only, so the
-    auxiliary loss is left out)."""
-
-    def __init__(self, ep_size: int) -> None:
-        super().__init__()
-        expert = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
-        self.moe = MoE(
-            DIM,
-            expert,
-            EXPERTS,
-            ep_size,
-            k=2,
-            drop_tokens=False,
-            use_rts=False,
-            top2_2nd_expert_sampling=False,
-        )
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.moe(h)[0]
-
-
-PIPE_PREFIX = "1.moe.deepspeed_moe.experts.deepspeed_experts."
-
-
-def pipe_layers(ep_size: int, ep_rank: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(DIM, DIM), MoEHidden(1), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
-    local = nn.Sequential(
-        nn.Linear(DIM, DIM), MoEHidden(ep_size), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
-    )
-    full = ref.state_dict()
-    local.load_state_dict(
-        {n: full[_pipe_global(n, ep_rank, ep_size)].clone() for n in local.state_dict()}
-    )
-    return list(local)
-
-
-def _pipe_global(name: str, ep_rank: int, ep_size: int) -> str:
-    if not name.startswith(PIPE_PREFIX):
-        return name
-    lid, rest = name[len(PIPE_PREFIX) :].split(".", 1)
-    return f"{PIPE_PREFIX}{int(lid) + ep_rank * (EXPERTS // ep_size)}.{rest}"
-
-
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out - y) ** 2).mean()
-
-
-def pipe_reference(dp: int, micro: int) -> dict[str, Any]:
-    net = nn.Sequential(*pipe_layers(1, 0))
-    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-    data = [batches(s) for s in range(dp * micro)]
-    out: dict[str, Any] = {"losses": [], "norms": []}
-    for step in range(STEPS):
-        losses = [_mse(net(data[s][step][0]), data[s][step][1]) for s in range(dp * micro)]
-        (sum(losses) / len(losses)).backward()  # type: ignore[operator]
-        out["losses"].append(float(sum(losses)) / len(losses))
-        out["norms"].append(float(nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-    out["params"] = {n: p.detach().clone() for n, p in net.named_parameters()}
-    return out
-
-
-def pipe_run(pp: int, ep: int, micro: int) -> dict[str, Any]:
-    """A 2-stage PipelineModule whose first stage holds an MoE layer of ``ep_size`` 2."""
-    from slipstream.pipe import PipelineModule
-
-    dp = dist.get_world_size() // pp
-    dp_rank = dist.get_rank() % dp
-    module = PipelineModule(
-        pipe_layers(ep, dp_rank % ep), num_stages=pp, loss_fn=_mse, partition_method="uniform"
-    )
-    config = _config(1, 1) | {
-        "train_micro_batch_size_per_gpu": TOKENS,
-        "gradient_accumulation_steps": micro,
-    }
-    engine, *_ = slipstream.initialize(model=module, config=config)
-    data = [batches(dp_rank * micro + i) for i in range(micro)]
-    it = iter([data[i][step] for step in range(STEPS) for i in range(micro)])
-    res: dict[str, Any] = {"losses": [], "norms": []}
-    for _ in range(STEPS):
-        res["losses"].append(float(engine.train_batch(it)))
-        res["norms"].append(engine.get_global_grad_norm())
-    res["params"] = {
-        _pipe_global(n, dp_rank % ep, ep): p.detach().clone() for n, p in module.named_parameters()
-    }
-    engine.destroy()
-    return res
-
-
 def world(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {"ref_tp": reference_run(2), "ref_edp": reference_run(4)}
     out["refusals"] = refusals()
@@ -300,8 +208,6 @@ def world(tmp: str) -> dict[str, Any]:
         dist.barrier()
         out[f"reload_{expert_tp}"] = _reload(ckpt, expert_tp)
     out["ep2_edp2"] = _train(1, 2, False, 2, None)
-    out["pipe"] = pipe_run(2, 2, 2)
-    out["ref_pipe"] = pipe_reference(2, 2)
     return out
 
 
