@@ -41,7 +41,9 @@ class ExpertGroups:
     dp_size: int
 
 
-_CACHE: dict[tuple[int, int, bool], ExpertGroups] = {}
+# Keyed by the mesh's id; each entry holds its mesh too, so that id cannot be reused by a
+# later mesh (after an engine is destroyed) and hand out the old mesh's groups.
+_CACHE: dict[tuple[int, int, bool], tuple[DeviceMesh, ExpertGroups]] = {}
 _WORLD_MESH: list[DeviceMesh] = []
 
 
@@ -107,5 +109,5 @@ def expert_groups(
         ep_group, edp_group = sub.get_group(ep_name), sub.get_group(edp_name)
         comm.register_axis(ep_group, "ep")
         comm.register_axis(edp_group, "edp")
-        _CACHE[key] = ExpertGroups(ep_size, ep_group, edp_group, dp_size)
-    return _CACHE[key]
+        _CACHE[key] = (mesh, ExpertGroups(ep_size, ep_group, edp_group, dp_size))
+    return _CACHE[key][1]
