@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -201,8 +203,46 @@ def _global_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def hub_kernel_registration() -> dict[str, Any]:
+    """``register_with_transformers`` with a Hub kernel name: transformers' lazy loader is
+    called first (mocked here: it registers sdpa under the name, as loading would) and the
+    name, not sdpa, is wrapped; the groups are objects, not None (DeepSpeed's contract)."""
+    import transformers.modeling_flash_attention_utils as fa
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from slipstream.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    name, calls, real = "kernels-community/flash-attn2", [], fa.lazy_import_flash_attention
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def lazy(implementation: str, *args: Any, **kwargs: Any) -> None:
+        calls.append(implementation)
+        ALL_ATTENTION_FUNCTIONS.register(implementation, sdpa)
+
+    path = tempfile.mkdtemp(prefix="hub_kernel_")  # a path, as DeepSpeed's test passes
+    make_model("llama_gqa2").config.save_pretrained(path)
+    fa.lazy_import_flash_attention = lazy
+    try:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            path, name, dist.get_world_size(), 1
+        )
+        wrapped = ALL_ATTENTION_FUNCTIONS[name] is not sdpa
+    finally:
+        fa.lazy_import_flash_attention = real
+        ALL_ATTENTION_FUNCTIONS.pop(name, None)
+        shutil.rmtree(path, ignore_errors=True)
+    assert mpu is not None
+    return {
+        "calls": calls,
+        "wrapped": wrapped,
+        "sdpa_kept": ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa,
+        "groups_not_none": mpu.get_sequence_parallel_group() is not None
+        and mpu.get_sequence_data_parallel_group() is not None,
+    }
+
+
 def alst_world(name: str, stage: int) -> dict[str, Any]:
-    return alst_run(name, stage)
+    return {**alst_run(name, stage), "hub": hub_kernel_registration()}
 
 
 # ------------------------------------ the HF Trainer on Accelerate's DeepSpeed Ulysses path

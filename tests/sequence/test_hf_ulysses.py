@@ -79,6 +79,21 @@ def test_deepspeed_alst_script_matches_single_process():
     ref = w.reference_run("qwen2_kv1")
     assert_same_training(per_rank[0], ref, "ALST SP=2", param_rtol=1e-5, param_atol=2e-5)
     assert per_rank[1]["losses"] == per_rank[0]["losses"]
+    for rank in per_rank:  # a Hub kernel name is loaded first, then wrapped (not sdpa)
+        want = {"calls": ["kernels-community/flash-attn2"], "wrapped": True}
+        assert rank["hub"] == {**want, "sdpa_kept": True, "groups_not_none": True}, rank["hub"]
+
+
+def test_register_refuses_a_model_configured_with_another_attention():
+    """DeepSpeed's words, which its own test matches: the model (or a PEFT-like wrapper with
+    a ``config``) runs sdpa, the call asks for flash_attention_2."""
+    from types import SimpleNamespace
+
+    from slipstream.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    wrapper = SimpleNamespace(config=w.make_model("llama_gqa2").config)
+    with pytest.raises(ValueError, match="does not match model config attn_implementation='sdpa'"):
+        UlyssesSPAttentionHF.register_with_transformers(wrapper, "flash_attention_2", 2, 1)
 
 
 _SIGNATURES = """
