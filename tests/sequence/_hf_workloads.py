@@ -223,9 +223,7 @@ def hub_kernel_registration() -> dict[str, Any]:
     make_model("llama_gqa2").config.save_pretrained(path)
     fa.lazy_import_flash_attention = lazy
     try:
-        mpu = UlyssesSPAttentionHF.register_with_transformers(
-            path, name, dist.get_world_size(), 1
-        )
+        mpu = UlyssesSPAttentionHF.register_with_transformers(path, name, dist.get_world_size(), 1)
         wrapped = ALL_ATTENTION_FUNCTIONS[name] is not sdpa
     finally:
         fa.lazy_import_flash_attention = real
