@@ -23,6 +23,10 @@ MODELS = {
     "llama_eager": ("llama", 4, 4, "eager"),
     "qwen2_kv1": ("qwen2", 4, 1, "sdpa"),  # GQA with fewer KV heads than P=2: replicated
     "llama_heads3": ("llama", 3, 3, "sdpa"),  # 3 heads over P=2: refused
+    "mistral_gqa2": ("mistral", 4, 2, "sdpa"),
+    "qwen3_gqa2": ("qwen3", 4, 2, "sdpa"),  # q/k norms before RoPE
+    "gpt2": ("gpt2", 4, 4, "sdpa"),  # learned absolute positions, fused QKV
+    "opt": ("opt", 4, 4, "sdpa"),  # learned positions with OPT's offset of 2
 }
 
 
@@ -57,7 +61,32 @@ def make_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
-    return Qwen2ForCausalLM(Qwen2Config(**common))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    return _other_family(family, common)
+
+
+def _other_family(family: str, common: dict[str, Any]) -> torch.nn.Module:
+    """Mistral, Qwen3, GPT-2 and OPT of the same size, dropout off (the parity is exact)."""
+    import transformers as tf
+
+    if family in ("mistral", "qwen3"):
+        config_cls, model_cls = {
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        }[family]
+        return model_cls(config_cls(**common, head_dim=8))
+    heads, attn = common["num_attention_heads"], common["attn_implementation"]
+    if family == "gpt2":
+        config = tf.GPT2Config(vocab_size=VOCAB, n_embd=8 * heads, n_layer=2, n_head=heads,
+                               n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                               tie_word_embeddings=False, attn_implementation=attn)  # fmt: skip
+        return tf.GPT2LMHeadModel(config)
+    config = tf.OPTConfig(vocab_size=VOCAB, hidden_size=8 * heads, num_hidden_layers=2,
+                          ffn_dim=48, num_attention_heads=heads, max_position_embeddings=64,
+                          word_embed_proj_dim=8 * heads, dropout=0.0, attention_dropout=0.0,
+                          tie_word_embeddings=False, attn_implementation=attn)  # fmt: skip
+    return tf.OPTForCausalLM(config)
 
 
 class LMData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):

@@ -1,5 +1,6 @@
-"""Ulysses for Hugging Face causal LMs (LLaMA, Qwen2) with no model changes: SP=2 equals one
-process in loss and parameters, GQA with fewer KV heads than P, the refusal, the batch shard."""
+"""Ulysses for Hugging Face causal LMs (LLaMA, Qwen2/3, Mistral, GPT-2, OPT) with no model
+changes: SP=2 equals one process in loss and parameters, GQA with fewer KV heads than P, the
+refusal, the batch shard, DeepSpeed's ALST names."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from tests.distributed.parity import assert_same_training
 from tests.sequence import _hf_workloads as w
 
 # (model, ZeRO stage) at SP=2 on 2 ranks.
-RUNS = [("llama_gqa2", 0), ("qwen2_kv1", 2), ("llama_eager", 3)]
+RUNS = [("llama_gqa2", 0), ("qwen2_kv1", 2), ("llama_eager", 3), ("mistral_gqa2", 1),
+        ("qwen3_gqa2", 3), ("gpt2", 0), ("opt", 2)]  # fmt: skip
 REFUSED = ["llama_heads3", "bert_mlm"]
 
 
