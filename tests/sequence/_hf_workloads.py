@@ -268,8 +268,33 @@ def hub_kernel_registration() -> dict[str, Any]:
     }
 
 
+def adapter_refusals() -> dict[str, str]:
+    """UlyssesSPDataLoaderAdapter's errors: a batch without position_ids, a length (15) that
+    does not split over the group, a tensor shorter than input_ids."""
+    from slipstream.runtime.sequence_parallel import parallel_state_sp
+    from slipstream.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    group, rank = parallel_state_sp.get_sequence_parallel_group(), dist.get_rank()
+    ids = torch.arange(15)[None]
+    bad = {
+        "no_positions": {"input_ids": ids, "labels": ids},
+        "odd_length": {"input_ids": ids, "labels": ids, "position_ids": ids},
+        "short_labels": {"input_ids": ids, "labels": ids[:, :7], "position_ids": ids},
+    }
+    out = {}
+    for key, batch in bad.items():
+        loader = UlyssesSPDataLoaderAdapter([batch], rank, group, dist.get_world_size(), "cpu")
+        try:
+            next(iter(loader))
+            out[key] = "no error"
+        except ValueError as err:
+            out[key] = str(err)
+    return out
+
+
 def alst_world(name: str, stage: int) -> dict[str, Any]:
-    return {**alst_run(name, stage), "hub": hub_kernel_registration()}
+    run = alst_run(name, stage)
+    return {**run, "hub": hub_kernel_registration(), "adapter": adapter_refusals()}
 
 
 # ------------------------------------ the HF Trainer on Accelerate's DeepSpeed Ulysses path

@@ -84,6 +84,13 @@ def test_deepspeed_alst_script_matches_single_process():
     for rank in per_rank:  # a Hub kernel name is loaded first, then wrapped (not sdpa)
         want = {"calls": ["kernels-community/flash-attn2"], "wrapped": True}
         assert rank["hub"] == {**want, "sdpa_kept": True, "groups_not_none": True}, rank["hub"]
+        refused = rank["adapter"]  # the loader adapter names what is wrong with a batch
+        assert "requires `position_ids`" in refused["no_positions"], refused
+        assert "seqlen=15 isn't divisible by sp-size=2" in refused["odd_length"], refused
+        assert (
+            "labels's shape (1, 7) must match input_ids's shape (1, 15)"
+            in (refused["short_labels"])
+        ), refused
 
 
 def test_register_refuses_a_model_configured_with_another_attention():
