@@ -4,7 +4,8 @@ DeepSpeed 0.19.8's Arctic Long Sequence Training (ALST) pieces side by side.
 
 Rows (cumulative, as ALST's paper stacks them): plain HF; + activation checkpointing (HF's
 ``gradient_checkpointing_enable``); + tiled MLP and tiled logits+loss; + offload of the
-checkpointed inputs (``cpu_checkpointing``); then the same at P = 2 with Ulysses. DeepSpeed's
+checkpointed inputs (``cpu_checkpointing``); then the same at P = 2 with Ulysses, and ring
+attention (``sequence_parallel_mode: "ring"``) at P = 2 with and without the tiling. DeepSpeed's
 rows run its own pieces on the same model: ``UlyssesSPAttentionHF.register_with_transformers``,
 its ``TiledMLP`` patched into ``LlamaMLP.forward`` and its ``TiledFusedLogitsLoss`` in the
 loss (as ALST's tutorial shows), its engine (ZeRO stage 0, as slipstream's rows), and its
@@ -63,6 +64,9 @@ ROWS: list[tuple[str, str, int, dict[str, bool]]] = [
     ("ALST: + offload", "deepspeed", 1, {"ckpt": True, "tiled": True, "offload": True}),
     ("ALST: Ulysses + ckpt + tiled", "deepspeed", 2, {"ckpt": True, "tiled": True}),
     ("ALST: + offload", "deepspeed", 2, {"ckpt": True, "tiled": True, "offload": True}),
+    # Appended so the rows above keep their indices (--rows); DeepSpeed 0.19.8 has no ring.
+    ("+ ring P=2", "slipstream", 2, {"ckpt": True, "ring": True}),
+    ("+ ring + tiled", "slipstream", 2, {"ckpt": True, "tiled": True, "ring": True}),
 ]
 
 
@@ -96,7 +100,7 @@ def _batch(seq: int, vocab: int) -> dict[str, torch.Tensor]:
 def _slipstream_trainer(args: argparse.Namespace, p: int, sw: dict[str, bool]) -> Any:
     import slipstream
     from slipstream.distributed import comm
-    from slipstream.sequence import shard_causal_lm_batch
+    from slipstream.sequence import shard_causal_lm_batch, shard_causal_lm_batch_ring
 
     model = _model(args)
     if sw.get("ckpt"):
@@ -109,6 +113,9 @@ def _slipstream_trainer(args: argparse.Namespace, p: int, sw: dict[str, bool]) -
         "sequence_parallel_size": p,
         "gradient_clipping": 0.0,
     }
+    if sw.get("ring"):
+        config["sequence_parallel_mode"] = "ring"
+    shard = shard_causal_lm_batch_ring if sw.get("ring") else shard_causal_lm_batch
     if sw.get("tiled"):
         config["tiled_compute"] = {"mlp": True, "logits_loss": True}
     if sw.get("offload"):
@@ -119,7 +126,7 @@ def _slipstream_trainer(args: argparse.Namespace, p: int, sw: dict[str, bool]) -
     def step(seq: int) -> float:
         batch = _batch(seq, vocab)
         if p > 1:
-            batch = shard_causal_lm_batch(batch, p, comm.get_rank())
+            batch = shard(batch, p, comm.get_rank())
         loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()

@@ -35,8 +35,9 @@ Training parity at 4 ranks (``--parity``): a tiny LLaMA (4 heads, 2 KV heads, fp
 3 SGD steps through ``initialize`` at SP=4 as Ulysses 4 (KV heads replicated), ring 4 and
 Ulysses 2 x ring 2 (``sequence_parallel_ring_size: 2``), each against one process on the same
 global batches (computed on rank 0); prints the largest loss and parameter differences.
+``--parity-model qwen2``: a tiny Qwen2 with 1 KV head instead (GQA with fewer KV heads than P).
 
-    python benchmarks/sequence_parallel.py --parity
+    python benchmarks/sequence_parallel.py --parity [--parity-model qwen2]
 """
 
 from __future__ import annotations
@@ -347,9 +348,9 @@ PARITY_RUNS = {
 }
 
 
-def _parity_body(rank: int, device: Any) -> dict[str, Any]:
+def _parity_body(family: str, rank: int, device: Any) -> dict[str, Any]:
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     import slipstream
     from slipstream.sequence import shard_causal_lm_batch, shard_causal_lm_batch_ring
@@ -359,9 +360,13 @@ def _parity_body(rank: int, device: Any) -> dict[str, Any]:
 
     def model() -> Any:
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(
+        config_cls, model_cls, kv = (
+            (LlamaConfig, LlamaForCausalLM, 2) if family == "llama" else
+            (Qwen2Config, Qwen2ForCausalLM, 1)  # 1 KV head: replicated 4x by Ulysses 4
+        )  # fmt: skip
+        return model_cls(config_cls(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=64,
             tie_word_embeddings=False, attn_implementation="sdpa",
         ))  # fmt: skip
 
@@ -416,13 +421,19 @@ def _parity_body(rank: int, device: Any) -> dict[str, Any]:
 
 
 def run_parity(args: argparse.Namespace) -> str:
-    outcome = spawn_world("sp-parity4", BenchConfig(world=4, timeout_s=args.timeout), _parity_body)
+    body = partial(_parity_body, args.parity_model)
+    outcome = spawn_world("sp-parity4", BenchConfig(world=4, timeout_s=args.timeout), body)
     if outcome.error:
         raise RuntimeError(f"parity failed: {outcome.error}\n{outcome.detail}")
     rec = outcome.records[0]
     ref = rec["reference"]["losses"]
+    shape = (
+        "LLaMA (4 heads, 2 KV heads)"
+        if args.parity_model == "llama"
+        else "Qwen2 (4 heads, 1 KV head)"
+    )
     lines = [
-        "SP=4 on 4 gloo ranks vs one process: tiny LLaMA (4 heads, 2 KV heads), fp32, 3 SGD "
+        f"SP=4 on 4 gloo ranks vs one process: tiny {shape}, fp32, 3 SGD "
         "steps (lr 0.5, momentum 0.9), batch 2 x 32 tokens",
         f"reference losses: {', '.join(f'{x:.6f}' for x in ref)}",
     ]
@@ -454,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=1, help="--scaling: alternations of worlds")
     p.add_argument("--modes", type=lambda s: s.split(","), default=["ulysses", "ring"])
     p.add_argument("--parity", action="store_true", help="SP=4 training parity (4 ranks)")
+    p.add_argument("--parity-model", choices=["llama", "qwen2"], default="llama")
     args = p.parse_args(argv)
     if args.parity:
         print(run_parity(args))

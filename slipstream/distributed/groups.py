@@ -17,6 +17,7 @@ __all__ = [
     "group_ranks",
     "is_process_group",
     "register_axis",
+    "world_group",
 ]
 
 Group = dist.ProcessGroup | None
@@ -29,6 +30,15 @@ _GROUP_RANKS: dict[int, list[int]] = {}
 def is_process_group(obj: object) -> bool:
     """Whether ``obj`` is a ``torch.distributed`` process group."""
     return isinstance(obj, dist.ProcessGroup)
+
+
+def world_group() -> dist.ProcessGroup:
+    """The default (world) group as an object, for APIs whose callers test ``is not None``
+    (DeepSpeed's ``mpu`` getters return a group, never None). Needs an initialized world."""
+    group = dist.GroupMember.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialized: there is no world group")
+    return group
 
 
 def register_axis(group: Group, name: str) -> None:

@@ -222,3 +222,64 @@ def test_a_left_padded_batch_with_copies_runs_paged_with_shared_prompts(monkeypa
                for _ in range(2)]  # fmt: skip
     assert torch.equal(sampled[0], sampled[1])
     assert not torch.equal(sampled[0][0], sampled[0][1]), "copies draw independently"
+
+
+def _state(engine: ContinuousBatchingEngine, rid: str) -> str:
+    """Where request ``rid`` is in the scheduler (read from its private queues)."""
+    seq = engine._seqs[rid]
+    if seq in engine._waiting:
+        return "preempted" if seq.generated else "waiting"
+    if seq in engine._running:
+        return "decoding" if seq.generated else "prefilling"
+    return "follower"
+
+
+# (request aborted, step it is aborted before, where it is then) under a 8-block pool.
+ABORTS = [
+    ("g0", 0, "waiting"),  # a group's leader before its prefill: a follower inherits
+    ("g0", 1, "prefilling"),  # the leader mid-prefill (9 tokens, budget 8): the heir resumes
+    ("g1", 1, "follower"),
+    ("long", 2, "prefilling"),
+    ("g2", 3, "preempted"),  # freed by preemption, waiting to be recomputed
+    ("g0", 4, "decoding"),  # its prompt blocks shared with the group's forks
+    ("short", 4, "waiting"),  # never admitted: the pool is full of the others
+]
+
+
+def test_aborts_in_every_scheduler_state_free_all_blocks_and_spare_the_others():
+    """A tiny pool (8 blocks of 4, preemption on), a group of 3 sharing a prompt and two
+    others: aborting one request while it waits, prefills, follows its group's leader,
+    decodes or sits preempted frees every block by the end, and every other request still
+    gets the tokens of a run with no abort (the aborted one a prefix of its own)."""
+    model = tiny_llama()
+    shared, long, short = prompts([9, 13, 6], seed=5)
+    requests = {
+        "g0": (shared, SamplingParams(max_new_tokens=8, do_sample=True, seed=1, ignore_eos=True)),
+        "g1": (shared, SamplingParams(max_new_tokens=8, do_sample=True, seed=2, ignore_eos=True)),
+        "g2": (shared, SamplingParams(max_new_tokens=8, ignore_eos=True)),
+        "long": (long, SamplingParams(max_new_tokens=8, ignore_eos=True)),
+        "short": (short, SamplingParams(max_new_tokens=8, ignore_eos=True)),
+    }
+    want, _ = run(ContinuousBatchingEngine(model, block_size=4, max_tokens_per_step=8),
+                  list(requests.values()))  # fmt: skip
+    want = {rid: want[f"r{i}"] for i, rid in enumerate(requests)}
+    for victim, at, where in ABORTS:
+        engine = ContinuousBatchingEngine(model, block_size=4, num_blocks=8, max_tokens_per_step=8)
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        got: dict[str, list[int]] = {rid: [] for rid in requests}
+        reasons: dict[str, str | None] = {}
+        step = 0
+        while engine.has_unfinished():
+            if step == at:
+                assert _state(engine, victim) == where, (victim, at)
+                engine.abort(victim)
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+            step += 1
+        assert engine.free_blocks() == engine.total_blocks(), f"blocks leaked: {victim} {where}"
+        assert reasons[victim] == "abort" and got[victim] == want[victim][: len(got[victim])]
+        for rid in requests.keys() - {victim}:
+            assert got[rid] == want[rid], (victim, where, rid)

@@ -111,6 +111,7 @@ def world_one(root: str, phase: str) -> dict[str, Any]:
             out[mode] = train(mode, range(SAVE_AT, TOTAL), load=f"{root}/sp2_{mode}", loader=True)
     if phase == "save":
         out["bf16"] = train("ring", range(hw.STEPS), **BF16)
+        out["bf16_ulysses"] = train("ulysses", range(hw.STEPS), **BF16)
     return out
 
 
@@ -128,6 +129,7 @@ def world_two(root: str) -> dict[str, Any]:
         )
     out["packed"] = packed_ulysses(2)
     out["bf16"] = train("ring", range(hw.STEPS), **BF16)
+    out["bf16_ulysses"] = train("ulysses", range(hw.STEPS), **BF16)
     out["hf_ckpt"] = train("ring", range(TOTAL), model=_checkpointed())
     out["ds_ckpt"] = train(
         "ring",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -21,6 +23,10 @@ MODELS = {
     "llama_eager": ("llama", 4, 4, "eager"),
     "qwen2_kv1": ("qwen2", 4, 1, "sdpa"),  # GQA with fewer KV heads than P=2: replicated
     "llama_heads3": ("llama", 3, 3, "sdpa"),  # 3 heads over P=2: refused
+    "mistral_gqa2": ("mistral", 4, 2, "sdpa"),
+    "qwen3_gqa2": ("qwen3", 4, 2, "sdpa"),  # q/k norms before RoPE
+    "gpt2": ("gpt2", 4, 4, "sdpa"),  # learned absolute positions, fused QKV
+    "opt": ("opt", 4, 4, "sdpa"),  # learned positions with OPT's offset of 2
 }
 
 
@@ -55,7 +61,32 @@ def make_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
-    return Qwen2ForCausalLM(Qwen2Config(**common))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    return _other_family(family, common)
+
+
+def _other_family(family: str, common: dict[str, Any]) -> torch.nn.Module:
+    """Mistral, Qwen3, GPT-2 and OPT of the same size, dropout off (the parity is exact)."""
+    import transformers as tf
+
+    if family in ("mistral", "qwen3"):
+        config_cls, model_cls = {
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        }[family]
+        return model_cls(config_cls(**common, head_dim=8))
+    heads, attn = common["num_attention_heads"], common["attn_implementation"]
+    if family == "gpt2":
+        config = tf.GPT2Config(vocab_size=VOCAB, n_embd=8 * heads, n_layer=2, n_head=heads,
+                               n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                               tie_word_embeddings=False, attn_implementation=attn)  # fmt: skip
+        return tf.GPT2LMHeadModel(config)
+    config = tf.OPTConfig(vocab_size=VOCAB, hidden_size=8 * heads, num_hidden_layers=2,
+                          ffn_dim=48, num_attention_heads=heads, max_position_embeddings=64,
+                          word_embed_proj_dim=8 * heads, dropout=0.0, attention_dropout=0.0,
+                          tie_word_embeddings=False, attn_implementation=attn)  # fmt: skip
+    return tf.OPTForCausalLM(config)
 
 
 class LMData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -201,8 +232,69 @@ def _global_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def hub_kernel_registration() -> dict[str, Any]:
+    """``register_with_transformers`` with a Hub kernel name: transformers' lazy loader is
+    called first (mocked here: it registers sdpa under the name, as loading would) and the
+    name, not sdpa, is wrapped; the groups are objects, not None (DeepSpeed's contract)."""
+    import transformers.modeling_flash_attention_utils as fa
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from slipstream.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    name, calls, real = "kernels-community/flash-attn2", [], fa.lazy_import_flash_attention
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def lazy(implementation: str, *args: Any, **kwargs: Any) -> None:
+        calls.append(implementation)
+        ALL_ATTENTION_FUNCTIONS.register(implementation, sdpa)
+
+    path = tempfile.mkdtemp(prefix="hub_kernel_")  # a path, as DeepSpeed's test passes
+    make_model("llama_gqa2").config.save_pretrained(path)
+    fa.lazy_import_flash_attention = lazy
+    try:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(path, name, dist.get_world_size(), 1)
+        wrapped = ALL_ATTENTION_FUNCTIONS[name] is not sdpa
+    finally:
+        fa.lazy_import_flash_attention = real
+        ALL_ATTENTION_FUNCTIONS.pop(name, None)
+        shutil.rmtree(path, ignore_errors=True)
+    assert mpu is not None
+    return {
+        "calls": calls,
+        "wrapped": wrapped,
+        "sdpa_kept": ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa,
+        "groups_not_none": mpu.get_sequence_parallel_group() is not None
+        and mpu.get_sequence_data_parallel_group() is not None,
+    }
+
+
+def adapter_refusals() -> dict[str, str]:
+    """UlyssesSPDataLoaderAdapter's errors: a batch without position_ids, a length (15) that
+    does not split over the group, a tensor shorter than input_ids."""
+    from slipstream.runtime.sequence_parallel import parallel_state_sp
+    from slipstream.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    group, rank = parallel_state_sp.get_sequence_parallel_group(), dist.get_rank()
+    ids = torch.arange(15)[None]
+    bad = {
+        "no_positions": {"input_ids": ids, "labels": ids},
+        "odd_length": {"input_ids": ids, "labels": ids, "position_ids": ids},
+        "short_labels": {"input_ids": ids, "labels": ids[:, :7], "position_ids": ids},
+    }
+    out = {}
+    for key, batch in bad.items():
+        loader = UlyssesSPDataLoaderAdapter([batch], rank, group, dist.get_world_size(), "cpu")
+        try:
+            next(iter(loader))
+            out[key] = "no error"
+        except ValueError as err:
+            out[key] = str(err)
+    return out
+
+
 def alst_world(name: str, stage: int) -> dict[str, Any]:
-    return alst_run(name, stage)
+    run = alst_run(name, stage)
+    return {**run, "hub": hub_kernel_registration(), "adapter": adapter_refusals()}
 
 
 # ------------------------------------ the HF Trainer on Accelerate's DeepSpeed Ulysses path

@@ -1,5 +1,6 @@
-"""Ulysses for Hugging Face causal LMs (LLaMA, Qwen2) with no model changes: SP=2 equals one
-process in loss and parameters, GQA with fewer KV heads than P, the refusal, the batch shard."""
+"""Ulysses for Hugging Face causal LMs (LLaMA, Qwen2/3, Mistral, GPT-2, OPT) with no model
+changes: SP=2 equals one process in loss and parameters, GQA with fewer KV heads than P, the
+refusal, the batch shard, DeepSpeed's ALST names."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from tests.distributed.parity import assert_same_training
 from tests.sequence import _hf_workloads as w
 
 # (model, ZeRO stage) at SP=2 on 2 ranks.
-RUNS = [("llama_gqa2", 0), ("qwen2_kv1", 2), ("llama_eager", 3)]
+RUNS = [("llama_gqa2", 0), ("qwen2_kv1", 2), ("llama_eager", 3), ("mistral_gqa2", 1),
+        ("qwen3_gqa2", 3), ("gpt2", 0), ("opt", 2)]  # fmt: skip
 REFUSED = ["llama_heads3", "bert_mlm"]
 
 
@@ -79,6 +81,28 @@ def test_deepspeed_alst_script_matches_single_process():
     ref = w.reference_run("qwen2_kv1")
     assert_same_training(per_rank[0], ref, "ALST SP=2", param_rtol=1e-5, param_atol=2e-5)
     assert per_rank[1]["losses"] == per_rank[0]["losses"]
+    for rank in per_rank:  # a Hub kernel name is loaded first, then wrapped (not sdpa)
+        want = {"calls": ["kernels-community/flash-attn2"], "wrapped": True}
+        assert rank["hub"] == {**want, "sdpa_kept": True, "groups_not_none": True}, rank["hub"]
+        refused = rank["adapter"]  # the loader adapter names what is wrong with a batch
+        assert "requires `position_ids`" in refused["no_positions"], refused
+        assert "seqlen=15 isn't divisible by sp-size=2" in refused["odd_length"], refused
+        assert (
+            "labels's shape (1, 7) must match input_ids's shape (1, 15)"
+            in (refused["short_labels"])
+        ), refused
+
+
+def test_register_refuses_a_model_configured_with_another_attention():
+    """DeepSpeed's words, which its own test matches: the model (or a PEFT-like wrapper with
+    a ``config``) runs sdpa, the call asks for flash_attention_2."""
+    from types import SimpleNamespace
+
+    from slipstream.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    wrapper = SimpleNamespace(config=w.make_model("llama_gqa2").config)
+    with pytest.raises(ValueError, match="does not match model config attn_implementation='sdpa'"):
+        UlyssesSPAttentionHF.register_with_transformers(wrapper, "flash_attention_2", 2, 1)
 
 
 _SIGNATURES = """

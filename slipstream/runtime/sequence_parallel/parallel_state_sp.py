@@ -9,6 +9,7 @@ accepts it when the config's ``sequence_parallel_size`` equals P.
 from __future__ import annotations
 
 from slipstream.distributed import comm
+from slipstream.distributed.groups import world_group
 from slipstream.distributed.mesh import consecutive_group
 
 __all__ = [
@@ -52,9 +53,10 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
             f"the world size {world}"
         )
     # The mesh's layout: ranks d*P .. d*P+P-1 share a sequence; the sequence-data-parallel
-    # group is the whole world (None, the default group).
-    _SEQUENCE_PARALLEL_GROUP = consecutive_group(sequence_parallel_size, axis="sp")
-    _SEQUENCE_DATA_PARALLEL_GROUP = None
+    # group is the whole world. Both are group objects, never None (the default group), as
+    # DeepSpeed's are: ALST scripts and DeepSpeed's tests check `group is not None`.
+    _SEQUENCE_PARALLEL_GROUP = consecutive_group(sequence_parallel_size, axis="sp") or world_group()
+    _SEQUENCE_DATA_PARALLEL_GROUP = world_group()
     _SIZE = sequence_parallel_size
 
 

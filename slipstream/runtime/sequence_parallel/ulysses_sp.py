@@ -21,6 +21,7 @@ with ``sequence_parallel_size`` does all of it for you (docs/parallelism.md).
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator
 from types import ModuleType
@@ -48,6 +49,10 @@ __all__ = [
     "UlyssesSPDataLoaderAdapter",
     "sequence_tiled_compute",
 ]
+
+
+# "owner/repo", optionally "@revision" and ":kernel_name": transformers' name of a Hub kernel.
+_HUB_KERNEL = re.compile(r"^[^/:@]+/[^/:@]+(@[^/:@]+)?(:[^/:@]+)?$")
 
 
 class UlyssesSPAttentionHF(nn.Module):
@@ -149,7 +154,8 @@ class UlyssesSPAttentionHF(nn.Module):
         """Route ``core_attn_implementation`` (e.g. "sdpa") of transformers through Ulysses
         and return the sequence-parallel groups module (DeepSpeed's ``mpu``), or None when
         ``sequence_parallel_size`` is 1. As in DeepSpeed, the registry entry of that name is
-        replaced in this process, so every model using it runs sequence-parallel.
+        replaced in this process, so every model using it runs sequence-parallel. A Hub
+        kernel name ("kernels-community/flash-attn2") is first loaded through transformers.
 
         Raises:
             ValueError: "eager" (it needs an O(S^2) mask), an unknown implementation, a
@@ -176,9 +182,9 @@ class UlyssesSPAttentionHF(nn.Module):
         )
         current = getattr(config, "_attn_implementation", None)
         if loaded and current is not None and current != core_attn_implementation:
-            raise ValueError(
-                f"core_attn_implementation='{core_attn_implementation}' does not match the "
-                f"model config's attn_implementation='{current}': set both to the same value"
+            raise ValueError(  # DeepSpeed's wording: its tests match on it
+                f"core_attn_implementation='{core_attn_implementation}' does not match "
+                f"model config attn_implementation='{current}': set both to the same value"
             )
         if core_attn_implementation in ("eager", "paged|eager"):
             raise ValueError(
@@ -186,6 +192,12 @@ class UlyssesSPAttentionHF(nn.Module):
                 "sequence parallelism (it needs a 4-D O(S^2) attention mask): use 'sdpa' or a "
                 "flash attention variant"
             )
+        if _HUB_KERNEL.match(core_attn_implementation):
+            # A kernel from the Hub ("kernels-community/flash-attn2") enters the registry only
+            # when transformers loads it, so load it before looking it up.
+            from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+            lazy_import_flash_attention(core_attn_implementation)
         if core_attn_implementation not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(
                 f"{core_attn_implementation} is not a valid attn_implementation; the choices "
