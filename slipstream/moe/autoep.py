@@ -34,7 +34,13 @@ from torch import Tensor, nn
 from slipstream.config._errors import ConfigError
 from slipstream.config.expert import AUTOEP_PRESETS, ExpertParallelConfig
 from slipstream.distributed import comm
-from slipstream.moe.dispatch import RoutingStats, combine, exchange_and_run, group_by_expert
+from slipstream.moe.dispatch import (
+    RoutingStats,
+    combine,
+    exchange_and_run,
+    gather_tokens,
+    group_by_expert,
+)
 from slipstream.moe.experts import mark_expert_params
 from slipstream.moe.grouped import grouped_mm
 
@@ -160,7 +166,9 @@ class AutoEPExperts(nn.Module):
         idx = top_k_index.t().contiguous()
         idx = torch.where(idx >= self.num_experts, torch.full_like(idx, -1), idx)
         g = group_by_expert(idx, top_k_weights.t(), self.num_experts)
-        out = exchange_and_run(self, hidden[g.tokens], g.counts, self.ep_size, self.ep_group)
+        out = exchange_and_run(
+            self, gather_tokens(hidden, g), g.counts, self.ep_size, self.ep_group
+        )
         self.stats = RoutingStats.of(g.counts, g.counts)
         return combine(out, g, hidden.shape[0], hidden.dtype)
 

@@ -31,7 +31,14 @@ from torch import Tensor, nn
 from slipstream.distributed import comm
 from slipstream.moe.gating import Routes
 
-__all__ = ["MOELayer", "RoutingStats", "all_to_all_uneven", "combine", "group_by_expert"]
+__all__ = [
+    "MOELayer",
+    "RoutingStats",
+    "all_to_all_uneven",
+    "combine",
+    "gather_tokens",
+    "group_by_expert",
+]
 
 
 class _AllToAllUneven(torch.autograd.Function):
@@ -95,15 +102,23 @@ class Grouped:
 
 
 def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> Grouped:
-    """Sort the kept ``(token, choice)`` pairs of ``experts [k, s]`` by expert (stable)."""
-    k, s = experts.shape
+    """Sort the kept ``(token, choice)`` pairs of ``experts [k, s]`` by expert (stable).
+
+    A choice of expert -1 was dropped. One stable sort of all ``k * s`` choices puts the
+    dropped ones first, so the kept ones follow in the order a sort of the kept ones alone
+    gives; the token of position ``p`` in ``[k, s]`` is ``p % s``.
+    """
+    s = experts.shape[1]
     flat = experts.reshape(-1)
-    token = torch.arange(s, device=experts.device).repeat(k)
-    kept = flat >= 0
-    flat, token, w = flat[kept], token[kept], weights.reshape(-1)[kept]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return Grouped(token[order], w[order], counts)
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1)
+    order = order[int(counts[0]) :]
+    return Grouped(order % s, weights.reshape(-1)[order], counts[1:])
+
+
+def gather_tokens(x: Tensor, g: Grouped) -> Tensor:
+    """The rows of ``x [tokens, d]`` in ``g``'s order (a token once per kept choice)."""
+    return x.index_select(0, g.tokens)
 
 
 def combine(out: Tensor, g: Grouped, num_tokens: int, dtype: torch.dtype) -> Tensor:
@@ -113,21 +128,17 @@ def combine(out: Tensor, g: Grouped, num_tokens: int, dtype: torch.dtype) -> Ten
     return acc.to(dtype)
 
 
-def _regroup(counts: Tensor) -> Tensor:
-    """Row permutation from ``(source rank, local expert)`` order to ``(local expert, rank)``.
-
-    ``counts [ranks, local_experts]`` holds the rows each rank sent for each local expert.
-    """
-    ranks, local = counts.shape
-    starts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).reshape(ranks, local)
-    seg_starts = starts.t().reshape(-1)
-    seg_lens = counts.t().reshape(-1)
-    base = torch.repeat_interleave(seg_starts, seg_lens)
-    seg_first = torch.cumsum(seg_lens, 0) - seg_lens
-    within = torch.arange(int(seg_lens.sum()), device=counts.device) - torch.repeat_interleave(
-        seg_first, seg_lens
-    )
-    return base + within
+def _blocks_in_order(x: Tensor, sizes: list[list[int]], by_row: bool) -> Tensor:
+    """Rows of ``x`` in blocks ``sizes[a][b]``, stored ``a``-major when ``by_row`` (else
+    ``b``-major), copied out in the other order. One copy, no index tensor."""
+    outer, inner = len(sizes), len(sizes[0])
+    if outer == 1 or inner == 1:
+        return x
+    if by_row:  # stored (a, b), wanted (b, a)
+        blocks = x.split([n for row in sizes for n in row])
+        return torch.cat([blocks[a * inner + b] for b in range(inner) for a in range(outer)])
+    blocks = x.split([sizes[a][b] for b in range(inner) for a in range(outer)])
+    return torch.cat([blocks[b * outer + a] for a in range(outer) for b in range(inner)])
 
 
 def run_local_experts(experts: nn.Module, rows: Tensor, counts: list[int]) -> Tensor:
@@ -148,12 +159,13 @@ def exchange_and_run(
     sent = counts.reshape(ep_size, local)
     got = torch.empty_like(sent)
     comm.all_to_all_single(got, sent.contiguous(), group=group, label="moe_counts")
-    send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
+    sizes: list[list[int]] = got.tolist()  # [source rank][local expert]
+    send, recv = sent.sum(1).tolist(), [sum(row) for row in sizes]
     received = all_to_all_uneven(rows, send, recv, group)
-    perm = _regroup(got)
-    out = run_local_experts(experts, received[perm], got.sum(0).tolist())
-    back = torch.empty_like(out).index_copy(0, perm, out) if out.shape[0] else out
-    return all_to_all_uneven(back, recv, send, group)
+    # (source rank, local expert) order to (local expert, source rank) and back.
+    per_expert = [sum(row[e] for row in sizes) for e in range(local)]
+    out = run_local_experts(experts, _blocks_in_order(received, sizes, True), per_expert)
+    return all_to_all_uneven(_blocks_in_order(out, sizes, False), recv, send, group)
 
 
 class MOELayer(nn.Module):
@@ -214,7 +226,8 @@ class MOELayer(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         routes: Routes = self.gate.routes(flat, used_token)  # type: ignore[operator]
         g = group_by_expert(routes.experts, routes.weights, routes.num_experts)
-        out = self.exchange(self.experts, flat[g.tokens], g.counts, self.ep_size, self.ep_group)
+        rows = gather_tokens(flat, g)
+        out = self.exchange(self.experts, rows, g.counts, self.ep_size, self.ep_group)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         self.stats = RoutingStats.of(routes.exp_counts, g.counts)
         return combine(out, g, flat.shape[0], x.dtype).reshape(x.shape)

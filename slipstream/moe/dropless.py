@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipstream.distributed import comm
-from slipstream.moe.dispatch import RoutingStats, combine, exchange_and_run, group_by_expert
+from slipstream.moe.dispatch import (
+    RoutingStats,
+    combine,
+    exchange_and_run,
+    gather_tokens,
+    group_by_expert,
+)
 from slipstream.moe.experts import mark_expert_params
 from slipstream.moe.grouped import grouped_mm
 
@@ -228,6 +234,8 @@ class DroplessMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         experts, weights, loss, counts = self.router(flat)
         g = group_by_expert(experts, weights, self.num_experts)
-        out = exchange_and_run(self.experts, flat[g.tokens], g.counts, self.ep_size, self.ep_group)
+        out = exchange_and_run(
+            self.experts, gather_tokens(flat, g), g.counts, self.ep_size, self.ep_group
+        )
         self.stats = RoutingStats.of(counts, g.counts)
         return combine(out, g, flat.shape[0], x.dtype).reshape(x.shape), loss, counts
