@@ -315,6 +315,7 @@ def _write_files(
         "pieces": [[t, s, e, shard_name, key] for key, (t, s, e, _) in collected.pieces.items()],
         "tensors": collected.tensors,
         "scalars": collected.optim_scalars,
+        "tp_layout": collected.tp_layout,
     }
     pending.meta = _engine_meta(engine, world)
     tensors = {k: v[3] for k, v in collected.pieces.items()}
@@ -417,7 +418,9 @@ def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, An
     pieces: list[Any] = []
     tensors: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    tp_layout: dict[str, list[int]] = {}
     for part in every:
+        tp_layout.update(part.get("tp_layout", {}))
         files.update({k: list(v) for k, v in part["files"].items()})
         pieces.extend(part["pieces"])
         for name, (shape, dtype) in part["tensors"].items():
@@ -429,6 +432,7 @@ def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, An
         meta,
         optim_keys=keys,
         optim_scalars=scalars,
+        tp_layout=tp_layout,
         tensors=tensors,
         pieces=pieces,
         files=files,
