@@ -555,7 +555,10 @@ def _restore_rank_state(engine: TrainingState, reader: LogicalReader, m: dict[st
             reader.dir,
         )
         return
-    if world == m["world_size"]:
+    # Another data-parallel size at the same world size (TP or SP degree changed): each
+    # rank's loader position and RNG belong to another data shard.
+    same_dp = m.get("dp_world_size", engine.dp_world_size) == engine.dp_world_size
+    if world == m["world_size"] and same_dp:
         own = reader.load_object(f"rank-{rank:05d}.pt")
         if engine.config.checkpoint.load_rng_state:
             _set_rng_state(own["rng"])
@@ -563,10 +566,13 @@ def _restore_rank_state(engine: TrainingState, reader: LogicalReader, m: dict[st
             loader.load_state_dict(own["dataloader"])
         return
     log_rank0(
-        "checkpoint saved at world %d, loading at world %d: RNG states are not restored; the "
-        "data loader resumes after the same number of samples of the same epoch",
+        "checkpoint saved at world %d (data-parallel %d), loading at world %d (data-parallel "
+        "%d): RNG states are not restored; the data loader resumes after the same number of "
+        "samples of the same epoch",
         m["world_size"],
+        m.get("dp_world_size", engine.dp_world_size),
         world,
+        engine.dp_world_size,
     )
     first = reader.load_object("rank-00000.pt")["dataloader"]
     if first is not None and loader is not None:

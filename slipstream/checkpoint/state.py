@@ -73,7 +73,7 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def checkpoint_name(name: str, p: torch.Tensor) -> str:
     """A parameter's name in the checkpoint: a tensor-parallel shard is stored as its own
-    tensor, ``<name>.tp<rank>of<size>`` (loading needs the same TP size)."""
+    tensor, ``<name>.tp<rank>of<size>`` (``tp_layout`` re-cuts it at another TP size)."""
     shard = tp_shard(p)
     if shard is None:
         return name
