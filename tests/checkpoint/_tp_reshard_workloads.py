@@ -19,11 +19,12 @@ def make_model(kind: str) -> nn.Module:
     return tpw.make_model(kind)
 
 
-def _engine(kind: str, tp: int, stage: int) -> Any:
+def _engine(kind: str, tp: int, stage: int, bf16: bool = False) -> Any:
     import slipstream
 
     dp = dist.get_world_size() // tp
-    config = {
+    config: dict[str, Any] = {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": BATCH // dp,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage},
@@ -92,9 +93,42 @@ def scenario(kind: str, root: str) -> dict[str, Any]:
     return out
 
 
+def bf16_round_trip(root: str) -> None:
+    """bf16 with fp32 masters: saved at tp2 x ZeRO-1, loaded at tp1 x dp2 x ZeRO-2 and saved
+    again (compared by :func:`full_states`)."""
+    engine = _engine("gpt", 2, 1, bf16=True)
+    _train(engine, "gpt", 2, tpw.batches()[:2])
+    engine.save_checkpoint(f"{root}/bf16", tag="tp2")
+    engine.destroy()
+    engine = _engine("gpt", 1, 2, bf16=True)
+    engine.load_checkpoint(f"{root}/bf16", tag="tp2")
+    engine.save_checkpoint(f"{root}/bf16", tag="tp1")
+    engine.destroy()
+
+
+def full_states(tag_dir: str) -> dict[str, torch.Tensor]:
+    """Every master and optimizer state of a checkpoint as full tensors (TP slices joined)."""
+    from slipstream.checkpoint.format import CheckpointReader
+    from slipstream.checkpoint.tp_layout import tp_view
+
+    reader = tp_view(CheckpointReader(tag_dir), None)
+    out = {}
+    for kind in ("model", "master", "optim"):
+        for name in reader.names(kind):
+            out[f"{kind}/{name}"] = reader.read_full(f"{kind}/{name}")
+    reader.close()
+    return out
+
+
 def world(kinds: list[str], root: str) -> dict[str, Any]:
-    results = {kind: scenario(kind, root) for kind in kinds}
-    if dist.get_rank() == 0:  # the offline exports of the tp2 checkpoint: full tensors
+    results: dict[str, Any] = {kind: scenario(kind, root) for kind in kinds}
+    bf16_round_trip(root)
+    if dist.get_rank() == 0:
+        # The states saved at tp2 and saved again at tp1 after loading: the same tensors.
+        results["states"] = {
+            kind: (full_states(f"{root}/{kind}/tp2"), full_states(f"{root}/{kind}/tp1"))
+            for kind in [*kinds, "bf16"]
+        }  # the offline exports of the tp2 checkpoint: full tensors
         from slipstream.checkpoint.export import convert_checkpoint
         from slipstream.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

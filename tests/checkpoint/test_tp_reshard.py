@@ -60,6 +60,18 @@ def test_exports_of_a_tp_checkpoint_hold_full_weights(world, kind):
             torch.testing.assert_close(exported[name], full, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("kind", [*KINDS, "bf16"])
+def test_weights_masters_and_adam_states_survive_tp2_to_tp1(world, kind):
+    """Saved at tp 2, loaded at tp 1 x dp 2 and saved again: every weight, fp32 master (the
+    bf16 GPT) and Adam moment is the same full tensor (the tp 1 save holds no slices)."""
+    tp2, tp1 = world[0]["states"][kind]
+    assert tp2.keys() == tp1.keys()
+    assert any(k.startswith("optim/exp_avg_sq/") for k in tp2)
+    assert any(k.startswith("master/") for k in tp2) == (kind == "bf16")
+    for name, value in tp2.items():
+        torch.testing.assert_close(tp1[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_fused_blocks_rejoin_in_block_order():
     """q|k|v split per rank: joining the ranks' slices gives q|k|v back, not q0 k0 v0 q1..."""
     full = torch.arange(4 * 6 * 3, dtype=torch.float32).reshape(4, 18)
