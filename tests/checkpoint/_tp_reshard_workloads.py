@@ -106,12 +106,15 @@ def bf16_round_trip(root: str) -> None:
     engine.destroy()
 
 
-def full_states(tag_dir: str) -> dict[str, torch.Tensor]:
-    """Every master and optimizer state of a checkpoint as full tensors (TP slices joined)."""
-    from slipstream.checkpoint.format import CheckpointReader
+def full_states(tag_dir: str, deepspeed: bool = False) -> dict[str, torch.Tensor]:
+    """Every weight, master and optimizer state of a checkpoint as full tensors (TP slices
+    joined; ``deepspeed``: a DeepSpeed checkpoint, read by slipstream's reader of them)."""
+    from slipstream.checkpoint.deepspeed_pipe import open_deepspeed
+    from slipstream.checkpoint.format import CheckpointReader, LogicalReader
     from slipstream.checkpoint.tp_layout import tp_view
 
-    reader = tp_view(CheckpointReader(tag_dir), None)
+    reader: LogicalReader
+    reader = open_deepspeed(tag_dir) if deepspeed else tp_view(CheckpointReader(tag_dir), None)
     out = {}
     for kind in ("model", "master", "optim"):
         for name in reader.names(kind):
@@ -128,7 +131,14 @@ def world(kinds: list[str], root: str) -> dict[str, Any]:
         results["states"] = {
             kind: (full_states(f"{root}/{kind}/tp2"), full_states(f"{root}/{kind}/tp1"))
             for kind in [*kinds, "bf16"]
-        }  # the offline exports of the tp2 checkpoint: full tensors
+        }
+        # Exported to DeepSpeed (ZeRO-2 for 2 ranks): DeepSpeed's mp_rank_00, full tensors.
+        from slipstream.checkpoint.to_deepspeed import export_deepspeed
+
+        ds = export_deepspeed(f"{root}/gpt/tp2", f"{root}/gpt_ds", world_size=2, zero_stage=2)
+        results["deepspeed"] = full_states(
+            str(ds), deepspeed=True
+        )  # the offline exports of the tp2 checkpoint: full tensors
         from slipstream.checkpoint.export import convert_checkpoint
         from slipstream.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -72,6 +72,18 @@ def test_weights_masters_and_adam_states_survive_tp2_to_tp1(world, kind):
         torch.testing.assert_close(tp1[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_export_to_deepspeed_of_a_tp_checkpoint_is_tp1(world):
+    """``slipstream convert --to deepspeed`` of a tp 2 checkpoint: DeepSpeed files of the full
+    weights and Adam moments (read back by slipstream's DeepSpeed reader)."""
+    tp2, _ = world[0]["states"]["gpt"]
+    ds = world[0]["deepspeed"]
+    compared = [k for k in tp2 if k.startswith(("model/", "optim/"))]
+    assert any(k.startswith("optim/exp_avg/") for k in compared)
+    for name in compared:
+        assert name in ds, (name, sorted(ds)[:5])
+        torch.testing.assert_close(ds[name].reshape(tp2[name].shape), tp2[name], rtol=0, atol=0)
+
+
 def test_fused_blocks_rejoin_in_block_order():
     """q|k|v split per rank: joining the ranks' slices gives q|k|v back, not q0 k0 v0 q1..."""
     full = torch.arange(4 * 6 * 3, dtype=torch.float32).reshape(4, 18)
