@@ -152,7 +152,14 @@ class TPLayoutReader:
             parts = split_tp_name(name)
             base = name if parts is None else parts[0]
             if parts is not None and base not in self.layout:
-                out[entry] = None  # an older checkpoint: shape checks name the mismatch
+                shard = self.want.get(base)
+                if base in self.want and (shard is None or shard.size != parts[2]):
+                    raise CheckpointError(
+                        f"checkpoint {self.inner.dir} holds TP slices of '{base}' (TP size "
+                        f"{parts[2]}) but no record of how they were split (saved by an older "
+                        f"slipstream): load it at tensor_parallel.autotp_size {parts[2]}"
+                    )
+                out[entry] = None  # the same TP size: read as saved
                 continue
             shard = self.want.get(base)
             new = base if shard is None else f"{base}.tp{shard.rank}of{shard.size}"

@@ -96,3 +96,73 @@ def test_fused_blocks_rejoin_in_block_order():
     fused = torch.cat([q, k, v], 0)
     mine = tp_slice(fused, TPShard(0, 3, 1, 2))  # rank 1's halves of q, k and v
     assert mine[:, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+class _Saved:
+    """A checkpoint reader over a dict of full tensors (what ``TPLayoutReader`` wraps)."""
+
+    def __init__(self, tensors, layout):
+        from pathlib import Path
+
+        self.tensors, self.dir = tensors, Path("saved")
+        self.manifest = {"tp_layout": layout} if layout is not None else {}
+
+    def has(self, t):
+        return t in self.tensors
+
+    def names(self, kind):
+        return [t.removeprefix(kind + "/") for t in self.tensors if t.startswith(kind + "/")]
+
+    def shape(self, t):
+        return tuple(self.tensors[t].shape)
+
+    def dtype(self, t):
+        return self.tensors[t].dtype
+
+    def read(self, t, start=0, stop=None, out=None):
+        flat = self.tensors[t].reshape(-1)[start:stop]
+        return flat.clone() if out is None else out.copy_(flat)
+
+    def read_full(self, t):
+        return self.tensors[t].clone()
+
+    def close(self):
+        pass
+
+
+def test_layout_reader_recuts_fused_slices_and_refuses_unrecorded_ones():
+    """A fused [q|k|v] weight split over 3 ranks along dim 1 read at 1 rank, at 3 and at 1 of
+    a different slice; the Adam state beside it the same; a checkpoint without ``tp_layout``
+    is read at its own TP size and refused at another."""
+    from slipstream.checkpoint.format import CheckpointError
+    from slipstream.checkpoint.tp_layout import TPLayoutReader
+
+    full = torch.randn(4, 18)
+    saved = {}
+    for r in range(3):
+        piece = tp_slice(full, TPShard(1, 3, r, 3))
+        saved[f"model/w.tp{r}of3"] = piece
+        saved[f"optim/exp_avg/w.tp{r}of3"] = piece * 2
+    saved["model/b"] = torch.ones(4)
+    whole = TPLayoutReader(_Saved(saved, {"w": [1, 3, 3]}), {"w": None, "b": None})
+    assert whole.names("model") == ["w", "b"]
+    assert whole.shape("model/w") == (4, 18)
+    torch.testing.assert_close(whole.read_full("model/w"), full, rtol=0, atol=0)
+    torch.testing.assert_close(whole.read_full("optim/exp_avg/w"), full * 2, rtol=0, atol=0)
+    torch.testing.assert_close(whole.read("model/w", 5, 9), full.reshape(-1)[5:9])
+    torch.testing.assert_close(whole.read_full("model/b"), torch.ones(4))
+    # tp 3 -> tp 1 -> (re-saved full) -> tp 3 rank 2 of a 3-rank layout: its own slice back.
+    want = TPShard(1, 3, 2, 3)
+    again = TPLayoutReader(_Saved({"model/w": full}, None), {"w": want})
+    assert again.names("model") == ["w.tp2of3"]
+    torch.testing.assert_close(again.read_full("model/w.tp2of3"), tp_slice(full, want))
+    # Saved and wanted cuts that disagree (another plan) are refused, naming both.
+    other = TPLayoutReader(_Saved(saved, {"w": [1, 3, 3]}), {"w": TPShard(0, 1, 0, 2)})
+    with pytest.raises(CheckpointError, match="split 'w' along dim 1 in 3 block"):
+        other.shape("model/w.tp0of2")
+    # No tp_layout (an older checkpoint): the same TP size reads as saved, another is refused.
+    old = {k: v for k, v in saved.items() if k.startswith("model/w")}
+    same = TPLayoutReader(_Saved(old, None), {"w": TPShard(1, 3, 0, 3)})
+    assert "w.tp0of3" in same.names("model")
+    with pytest.raises(CheckpointError, match=r"load it at tensor_parallel\.autotp_size 3"):
+        TPLayoutReader(_Saved(old, None), {"w": None}).names("model")
