@@ -60,18 +60,21 @@ def _has_tp(engine: Any) -> bool:
 
 def _full_params(engine: Any) -> dict[str, torch.Tensor]:
     from slipstream.parallel.tensor import unshard_tp
+    from slipstream.zero import GatheredParameters
 
     group = engine.mesh.get_group("tp") if _has_tp(engine) else None
     out = {}
-    for n, p in engine.module.named_parameters():
-        out[n] = (unshard_tp(p, group) if tp_shard(p) is not None else p.detach()).clone()
+    with GatheredParameters(list(engine.module.parameters())):  # ZeRO-3: the full tensors
+        for n, p in engine.module.named_parameters():
+            out[n] = (unshard_tp(p, group) if tp_shard(p) is not None else p.detach()).clone()
     return out
 
 
 def scenario(kind: str, root: str) -> dict[str, Any]:
     """tp2 x ZeRO-1 trains 4 steps (saved after 2); resumed from step 2 at tp1 x dp2 with
     ZeRO-1 (which saves again, a tp1 checkpoint) and ZeRO-2; that tp1 checkpoint resumed
-    at tp2 x ZeRO-1. Every resumed run must match the uninterrupted one."""
+    at tp2 x ZeRO-1 (and, for the GPT, the tp2 one at tp1 x dp2 x ZeRO-3). Every resumed run must match the
+    uninterrupted one."""
     data = tpw.batches()[:4]
     out: dict[str, Any] = {}
     engine = _engine(kind, 2, 1)
@@ -81,7 +84,10 @@ def scenario(kind: str, root: str) -> dict[str, Any]:
     out["straight"] = _train(engine, kind, 2, data[2:])
     out["straight_params"] = _full_params(engine)
     engine.destroy()
-    for tp, stage, load, save in ((1, 1, "tp2", "tp1"), (1, 2, "tp2", None), (2, 1, "tp1", None)):
+    runs = [(1, 1, "tp2", "tp1"), (1, 2, "tp2", None), (2, 1, "tp1", None)]
+    if kind == "gpt":  # tp2 -> tp1 x dp2 x ZeRO-3: each rank reads its shard of the joined
+        runs.append((1, 3, "tp2", None))
+    for tp, stage, load, save in runs:
         engine = _engine(kind, tp, stage)
         engine.load_checkpoint(f"{root}/{kind}", tag=load)
         label = f"{load}->tp{tp}z{stage}"
