@@ -315,6 +315,7 @@ def _write_files(
         "pieces": [[t, s, e, shard_name, key] for key, (t, s, e, _) in collected.pieces.items()],
         "tensors": collected.tensors,
         "scalars": collected.optim_scalars,
+        "tp_layout": collected.tp_layout,
     }
     pending.meta = _engine_meta(engine, world)
     tensors = {k: v[3] for k, v in collected.pieces.items()}
@@ -417,7 +418,9 @@ def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, An
     pieces: list[Any] = []
     tensors: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    tp_layout: dict[str, list[int]] = {}
     for part in every:
+        tp_layout.update(part.get("tp_layout", {}))
         files.update({k: list(v) for k, v in part["files"].items()})
         pieces.extend(part["pieces"])
         for name, (shape, dtype) in part["tensors"].items():
@@ -429,6 +432,7 @@ def _manifest(meta: dict[str, Any], every: list[dict[str, Any]]) -> dict[str, An
         meta,
         optim_keys=keys,
         optim_scalars=scalars,
+        tp_layout=tp_layout,
         tensors=tensors,
         pieces=pieces,
         files=files,
@@ -551,7 +555,10 @@ def _restore_rank_state(engine: TrainingState, reader: LogicalReader, m: dict[st
             reader.dir,
         )
         return
-    if world == m["world_size"]:
+    # Another data-parallel size at the same world size (TP or SP degree changed): each
+    # rank's loader position and RNG belong to another data shard.
+    same_dp = m.get("dp_world_size", engine.dp_world_size) == engine.dp_world_size
+    if world == m["world_size"] and same_dp:
         own = reader.load_object(f"rank-{rank:05d}.pt")
         if engine.config.checkpoint.load_rng_state:
             _set_rng_state(own["rng"])
@@ -559,10 +566,13 @@ def _restore_rank_state(engine: TrainingState, reader: LogicalReader, m: dict[st
             loader.load_state_dict(own["dataloader"])
         return
     log_rank0(
-        "checkpoint saved at world %d, loading at world %d: RNG states are not restored; the "
-        "data loader resumes after the same number of samples of the same epoch",
+        "checkpoint saved at world %d (data-parallel %d), loading at world %d (data-parallel "
+        "%d): RNG states are not restored; the data loader resumes after the same number of "
+        "samples of the same epoch",
         m["world_size"],
+        m.get("dp_world_size", engine.dp_world_size),
         world,
+        engine.dp_world_size,
     )
     first = reader.load_object("rank-00000.pt")["dataloader"]
     if first is not None and loader is not None:

@@ -25,6 +25,7 @@ from slipstream.checkpoint.format import (
     StreamingSafetensorsWriter,
     atomic_write_text,
 )
+from slipstream.checkpoint.tp_layout import tp_view
 from slipstream.zero.export import INDEX_FILE
 
 __all__ = ["HF_CONFIG", "convert_checkpoint", "parse_size"]
@@ -78,7 +79,8 @@ def convert_checkpoint(
     Returns:
         The index file (or the single ``model.safetensors``).
     """
-    reader = CheckpointReader(resolve_tag_dir(checkpoint))
+    # A tensor-parallel checkpoint: each TP-sharded tensor reassembled in full.
+    reader = tp_view(CheckpointReader(resolve_tag_dir(checkpoint)), None)
     want = _DTYPES[dtype] if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")

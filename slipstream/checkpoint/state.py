@@ -27,6 +27,7 @@ from slipstream.checkpoint.format import (
     dtype_from_name,
     dtype_name,
 )
+from slipstream.checkpoint.tp_layout import tp_layout_entry, tp_view
 from slipstream.distributed import comm
 from slipstream.distributed.placement import is_duplicate, tp_shard
 from slipstream.zero.gathered import GatheredParameters
@@ -44,6 +45,8 @@ class Collected:
     pieces: dict[str, tuple[str, int, int, torch.Tensor]] = field(default_factory=dict)
     tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     optim_scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tp_layout: dict[str, list[int]] = field(default_factory=dict)
+    """TP-sharded parameter -> ``[split dim, fused blocks, TP size]`` (``tp_layout``)."""
 
     def add(self, tensor: str, start: int, data: torch.Tensor, shape: tuple[int, ...]) -> None:
         data = data.reshape(-1)
@@ -70,7 +73,7 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def checkpoint_name(name: str, p: torch.Tensor) -> str:
     """A parameter's name in the checkpoint: a tensor-parallel shard is stored as its own
-    tensor, ``<name>.tp<rank>of<size>`` (loading needs the same TP size)."""
+    tensor, ``<name>.tp<rank>of<size>`` (``tp_layout`` re-cuts it at another TP size)."""
     shard = tp_shard(p)
     if shard is None:
         return name
@@ -137,6 +140,10 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
     # Replicated tensors are written once per pipeline stage: by data-parallel rank 0 of
     # tensor-parallel rank 0 (TP shards by every TP rank, under their own names).
     tp_rank = _tp_rank(module)
+    for name, p in module.named_parameters():
+        entry = tp_layout_entry(p)
+        if entry is not None:
+            out.tp_layout[name] = entry
     lead = (rank if opt is None else opt.dp_rank) == 0
     # Frozen weights stored as int8 under ZeRO-3 exist in full only while gathered (every
     # rank enters; a no-op for ordinary replicated frozen weights).
@@ -206,21 +213,15 @@ def check_compatible(reader: LogicalReader, module: nn.Module, opt: ZeroOptimize
     """Same parameter names and shapes as the checkpoint, or an error listing the differences.
 
     A rank holding part of the model (a pipeline stage, a tensor-parallel shard) checks its
-    own parameters only; tensor-parallel shards need the TP size they were saved with.
+    own parameters only. ``reader`` presents TP-sharded tensors in this engine's layout
+    (``tp_layout.tp_view``), so a checkpoint saved at another TP degree fits.
     """
     have = {}
     for n, p in module.named_parameters():
         tensor, _, shape = placed(n, p, tuple(full_shape(p)))
         have[tensor] = shape
     saved = {n: reader.shape(f"model/{n}") for n in reader.names("model")}
-    tp_sizes = {int(m.group(2)) for n in saved if (m := _TP_SUFFIX.search(n))}
-    mine = {int(m.group(2)) for n in have if (m := _TP_SUFFIX.search(n))}
-    if tp_sizes != mine:
-        raise CheckpointError(
-            f"checkpoint {reader.dir} was saved with tensor-parallel sizes {sorted(tp_sizes) or [1]}"
-            f" but this engine runs tensor_parallel.autotp_size {sorted(mine) or [1]}: load it "
-            "with the same autotp_size"
-        )
+    mine = {n for n in have if _TP_SUFFIX.search(n)}
     missing = sorted(set(have) - set(saved))
     # A rank holding some of the experts (ep_size > 1) checks its own.
     experts = any(hasattr(p, "expert_placement") for p in module.parameters())
@@ -269,6 +270,8 @@ def restore_state(
     still run, and the error is raised at the end.
     """
     failed: list[Exception] = []
+    # Saved at another TP degree (or without TP): reassembled and re-cut per parameter.
+    reader = tp_view(reader, module)
 
     def attempt(step: Callable[[], None]) -> None:
         if failed:

@@ -40,7 +40,13 @@ import torch
 
 from slipstream.checkpoint.deepspeed_files import DeepSpeedObject, save_file
 from slipstream.checkpoint.export import resolve_tag_dir
-from slipstream.checkpoint.format import CheckpointError, CheckpointReader, atomic_write_text
+from slipstream.checkpoint.format import (
+    CheckpointError,
+    CheckpointReader,
+    LogicalReader,
+    atomic_write_text,
+)
+from slipstream.checkpoint.tp_layout import tp_view
 
 __all__ = ["export_deepspeed"]
 
@@ -65,7 +71,7 @@ def export_deepspeed(
 
     Raises:
         CheckpointError: a checkpoint without ``param_order`` (saved by an older slipstream),
-            with tensor-parallel shards or MoE expert parallelism, fp16 with a dynamic loss
+            with MoE expert parallelism, fp16 with a dynamic loss
             scale at stage 3, or a stage other than 1, 2 or 3.
     """
     if zero_stage not in (1, 2, 3):
@@ -75,7 +81,8 @@ def export_deepspeed(
             "and load it with load_optimizer_states=False, or take the weights with "
             "zero_to_fp32)"
         )
-    reader = CheckpointReader(resolve_tag_dir(checkpoint))
+    # A tensor-parallel checkpoint goes out at TP 1 (DeepSpeed's mp_rank_00): full tensors.
+    reader = tp_view(CheckpointReader(resolve_tag_dir(checkpoint)), None)
     m = reader.manifest
     order: list[list[str]] | None = m.get("param_order")
     if order is None:
@@ -89,8 +96,6 @@ def export_deepspeed(
             f"{m['moe_ep_sizes']}): export to DeepSpeed is not built for it; load it at "
             "ep_size 1 and save again, or take the weights with zero_to_fp32"
         )
-    if any(".tp" in n and n.rsplit(".tp", 1)[1].count("of") for n in reader.names("model")):
-        raise CheckpointError(f"{reader.dir} holds tensor-parallel shards: export needs TP 1")
     world = world_size or int(m["dp_world_size"])
     tag = tag or reader.dir.name
     out = Path(out_dir)
@@ -120,13 +125,13 @@ def export_deepspeed(
     return target
 
 
-def _master(reader: CheckpointReader, name: str) -> torch.Tensor:
+def _master(reader: LogicalReader, name: str) -> torch.Tensor:
     source = f"master/{name}" if reader.has(f"master/{name}") else f"model/{name}"
     return reader.read(source).float()
 
 
 def _optimizer_files(
-    reader: CheckpointReader, order: list[list[str]], world: int, stage: int
+    reader: LogicalReader, order: list[list[str]], world: int, stage: int
 ) -> list[dict[str, Any]]:
     """Each rank's ``optimizer_state_dict`` as DeepSpeed's ZeRO-1/2 ``state_dict`` holds it."""
     m = reader.manifest
@@ -175,7 +180,7 @@ def _optimizer_files(
 
 
 def _model_states(
-    reader: CheckpointReader,
+    reader: LogicalReader,
     order: list[list[str]],
     world: int,
     ds_config: dict[str, Any],
@@ -232,7 +237,7 @@ def _model_states(
 
 # ----------------------------------------------------------------------------- ZeRO-3
 def _zero3_sub_groups(
-    reader: CheckpointReader, names: list[str], world: int, limit: int
+    reader: LogicalReader, names: list[str], world: int, limit: int
 ) -> list[list[str]]:
     """A param group's parameters cut as DeepSpeed's stage 3 cuts them (its
     ``_create_fp16_sub_groups``): by the per-rank partition sizes, a sub-group closed once it
@@ -251,7 +256,7 @@ def _zero3_sub_groups(
     return out
 
 
-def _zero3_piece(reader: CheckpointReader, tensor: str, rank: int, world: int) -> torch.Tensor:
+def _zero3_piece(reader: LogicalReader, tensor: str, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s piece of ``tensor`` as DeepSpeed partitions a stage-3 parameter:
     ``ceil(numel / world)`` elements each, the last piece padded with zeros."""
     numel = reader.numel(tensor)
@@ -262,7 +267,7 @@ def _zero3_piece(reader: CheckpointReader, tensor: str, rank: int, world: int) -
 
 
 def _write_zero3(
-    reader: CheckpointReader,
+    reader: LogicalReader,
     order: list[list[str]],
     world: int,
     ds_config: dict[str, Any],

@@ -37,8 +37,9 @@ def _read_slipstream(path: Path) -> dict[str, torch.Tensor]:
     """Model tensors of a slipstream checkpoint (fp32 master copies where they exist)."""
     from slipstream.checkpoint.export import resolve_tag_dir
     from slipstream.checkpoint.format import CheckpointReader
+    from slipstream.checkpoint.tp_layout import tp_view
 
-    reader = CheckpointReader(resolve_tag_dir(path))
+    reader = tp_view(CheckpointReader(resolve_tag_dir(path)), None)  # TP slices joined
     try:
         state = {}
         for name in reader.names("model"):

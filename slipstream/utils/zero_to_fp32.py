@@ -25,6 +25,7 @@ from torch import nn
 
 from slipstream.checkpoint.export import convert_checkpoint, parse_size, resolve_tag_dir
 from slipstream.checkpoint.format import CheckpointReader
+from slipstream.checkpoint.tp_layout import split_tp_name, tp_view
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
@@ -57,7 +58,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
         exclude_frozen_parameters: leave out parameters without optimizer state (frozen).
         lazy_mode: accepted; tensors are loaded at once.
     """
-    reader = CheckpointReader(_tag_dir(checkpoint_dir, tag))
+    # A tensor-parallel checkpoint: each TP-sharded tensor reassembled in full.
+    reader = tp_view(CheckpointReader(_tag_dir(checkpoint_dir, tag)), None)
     try:
         trained = {n.split("/", 1)[1] for n in reader.names("optim") if "/" in n}
         out: dict[str, torch.Tensor] = {}
@@ -72,6 +74,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
         # DeepSpeed's state dict, so load_state_dict(strict=True) finds every key.
         shared: dict[str, str] = reader.load_object("extra.pt").get("shared_params", {})
         for alias, owner in shared.items():
+            # Names of TP slices (``w.tp0of2``) stand for the full tensor read above.
+            alias, owner = (n if (s := split_tp_name(n)) is None else s[0] for n in (alias, owner))
             if owner in out:
                 out[alias] = out[owner]
     finally:

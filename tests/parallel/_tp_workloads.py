@@ -312,17 +312,10 @@ def checkpoint_checks(root: str) -> dict[str, Any]:
     engine.load_checkpoint(root, tag="s2")
     resumed = _train(engine, data[2:])
     engine.destroy()
-    engine = _ckpt_engine(1, 1)  # no TP: the shards do not fit
-    try:
-        engine.load_checkpoint(root, tag="s2")
-        error = ""
-    except Exception as e:  # the message is what is checked
-        error = str(e)
-    engine.destroy()
     export_ok = exported.keys() >= full.keys() and all(
         torch.equal(exported[n], full[n].to(torch.bfloat16)) for n in full
     )
-    return {"straight": straight, "resumed": resumed, "error": error, "export_ok": export_ok}
+    return {"straight": straight, "resumed": resumed, "export_ok": export_ok}
 
 
 def _read_export(path: str) -> dict[str, torch.Tensor]:

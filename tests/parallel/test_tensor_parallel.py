@@ -110,11 +110,9 @@ def test_dropout_streams(world2):
 
 
 def test_checkpoint_resume_under_tp(world2):
-    for rank, res in enumerate(world2):
+    for res in world2:
         ck = res["checkpoint"]
         torch.testing.assert_close(ck["resumed"], ck["straight"], rtol=1e-6, atol=0)
-        assert "saved with tensor-parallel sizes [2]" in ck["error"], (rank, ck["error"])
-        assert "autotp_size [1]" in ck["error"]
         assert ck["export_ok"], "save_16bit_model must write the full (unsharded) tensors"
 
 

@@ -44,7 +44,13 @@ from slipstream.parallel.tensor.layers import (
     VocabParallelEmbedding,
 )
 from slipstream.parallel.tensor.loss import VocabParallelOutput, vocab_parallel_cross_entropy
-from slipstream.parallel.tensor.params import is_tp_sharded, shard_param_, tp_slice, unshard_tp
+from slipstream.parallel.tensor.params import (
+    is_tp_sharded,
+    shard_param_,
+    tp_join,
+    tp_slice,
+    unshard_tp,
+)
 from slipstream.parallel.tensor.plan import Style, TPPlan, add_block_plan, auto_tp_plan
 
 __all__ = [
@@ -66,6 +72,7 @@ __all__ = [
     "reduce_scatter_seq",
     "replace_module_",
     "shard_param_",
+    "tp_join",
     "tp_slice",
     "unshard_tp",
     "vocab_parallel_cross_entropy",

@@ -16,7 +16,7 @@ from slipstream.distributed import comm
 from slipstream.distributed.placement import TPShard, set_tp_shard_, tp_shard
 from slipstream.parallel.tensor.collectives import all_gather
 
-__all__ = ["is_tp_sharded", "shard_param_", "tp_slice", "unshard_tp"]
+__all__ = ["is_tp_sharded", "shard_param_", "tp_join", "tp_slice", "unshard_tp"]
 
 
 def shard_param_(p: nn.Parameter, dim: int, group: comm.Group, parts: int = 1) -> None:
@@ -58,7 +58,14 @@ def unshard_tp(
     dim, parts = shard.dim, shard.parts
     world = comm.get_world_size(group)
     full = all_gather(value, group, dim)  # rank-major: [rank0 blocks..., rank1 ...]
+    return full if parts == 1 else tp_join(list(full.chunk(world, dim)), dim, parts)
+
+
+def tp_join(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
+    """The full logical tensor from every rank's slice, in rank order (the inverse of
+    :func:`tp_slice`; no collective): with ``parts`` fused blocks, block ``b`` is rebuilt
+    from block ``b`` of each rank's slice, so q|k|v comes back as q|k|v."""
     if parts == 1:
-        return full
-    pieces = full.chunk(world * parts, dim)  # (rank, block) order -> (block, rank) order
-    return torch.cat([pieces[r * parts + b] for b in range(parts) for r in range(world)], dim)
+        return torch.cat(shards, dim)
+    per_rank = [s.chunk(parts, dim) for s in shards]
+    return torch.cat([per_rank[r][b] for b in range(parts) for r in range(len(shards))], dim)
