@@ -127,7 +127,8 @@ class InferenceEngine:
         max_out_tokens = kw.pop("max_out_tokens")
         req = generation.prepare(self.module, kw, max_out_tokens, sync)
         return generate_auto(
-            self.module, req, cache=cache, finished=finished, sync=sync, runner=self._runner
+            self.module, req, cache=cache, finished=finished, sync=sync, runner=self._runner,
+            tensor_parallel=self.config.tp_size > 1,
         )
 
     def _runner(self) -> Any:
