@@ -52,12 +52,17 @@ def _paged_runs(engine: Any, ids: torch.Tensor, **kw: Any) -> tuple[torch.Tensor
     """``engine.generate(ids, **kw)`` and the paged engines it ran (forwards, blocks)."""
     _Recorded.made = []
     real = paged_generate.ContinuousBatchingEngine
+    sync, broadcasts = engine._sync, []
+    tokens = sync.tokens
+    sync.tokens = lambda t: broadcasts.append(t.numel()) or tokens(t)  # TP rank 0's tokens
     paged_generate.ContinuousBatchingEngine = _Recorded  # type: ignore[misc]
     try:
         out = engine.generate(ids, **kw)
     finally:
         paged_generate.ContinuousBatchingEngine = real  # type: ignore[misc]
-    runs = [(e.num_forwards, e.free_blocks(), e.total_blocks()) for e in _Recorded.made]
+        del sync.tokens
+    runs = [(e.num_forwards, len(broadcasts), e.free_blocks(), e.total_blocks())
+            for e in _Recorded.made]  # fmt: skip
     return out, runs
 
 

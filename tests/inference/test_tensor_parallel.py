@@ -35,7 +35,8 @@ def test_tp2_greedy_runs_paged_with_the_static_loops_tokens(tp2, name):
     """``init_inference(tp_size=2).generate``: greedy requests run on the continuous-batching
     engine (every rank the same schedule, TP rank 0's tokens each step), with the tokens of
     the TP static loop and of the unsharded model (paged and static), every block free
-    after; rows that stop early at an EOS too."""
+    after, TP rank 0's tokens broadcast once per forward; rows that stop early at an EOS
+    too."""
     ids, mask = w.left_padded(w.LENGTHS)
     kw = dict(attention_mask=mask, max_new_tokens=w.NEW)
     one = w.MODELS[name]()
@@ -50,8 +51,9 @@ def test_tp2_greedy_runs_paged_with_the_static_loops_tokens(tp2, name):
     for rank, res in enumerate(tp2):
         for key in ("paged_runs", "paged_eos_runs"):
             assert len(res[name][key]) == 1, (rank, key, "the paged engine did not run once")
-            forwards, free, total = res[name][key][0]
+            forwards, broadcasts, free, total = res[name][key][0]
             assert forwards > 0 and free == total, (rank, key, res[name][key])
+            assert broadcasts == forwards, (rank, key, "one agree broadcast per forward")
         assert res[name]["paged"].equal(res[name]["static"]), rank
         assert res[name]["paged"].equal(ref_static), rank
         assert res[name]["eos"] == eos
