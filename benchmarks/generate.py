@@ -36,7 +36,7 @@ spawned gloo processes (``benchmarks/_harness.spawn_world``, ``--threads`` torch
 default 1): ``kv_cache="auto"`` (greedy on the continuous-batching engine, TP rank 0's tokens
 broadcast each step) against ``"dynamic"`` (the static loop), on a random LLaMA whose 8 heads
 and 4 KV heads split over 2 or 4 ranks (SmolLM2's 9 heads do not split in 2), a ragged batch
-(the ``--batch`` left-padded prompts of 20 to 43 tokens) and ``--new-tokens`` per row; the
+(the ``--batch`` left-padded prompts of 20 to 43 tokens) and ``--new-tokens`` per row (EOS ignored); the
 same tokens required, round-robin repeats, median tokens/s by wall time and by rank 0's
 process CPU time.
 
