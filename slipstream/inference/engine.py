@@ -126,9 +126,9 @@ class InferenceEngine:
         cache, finished, sync = kw.pop("cache"), kw.pop("finished"), kw.pop("sync")
         max_out_tokens = kw.pop("max_out_tokens")
         req = generation.prepare(self.module, kw, max_out_tokens, sync)
-        return generate_auto(
-            self.module, req, cache=cache, finished=finished, sync=sync, runner=self._runner
-        )
+        tp = self.config.tp_size > 1
+        return generate_auto(self.module, req, cache=cache, finished=finished, sync=sync,
+                             runner=self._runner, tensor_parallel=tp)  # fmt: skip
 
     def _runner(self) -> Any:
         """The module's paged forward, prepared on first use and kept (its packed weights

@@ -11,9 +11,10 @@ one for a model (:func:`driver_for`), and reads the keywords once (:func:`genera
 ``init_inference(...).generate`` runs on the continuous-batching engine
 (``paged_generate.generate_auto``: every row a request on the paged KV cache, LLaMA-family projections
 fused and pre-packed on the CPU) where that applies: ``kv_cache="auto"`` (the engine's
-default) picks it for greedy requests of a model the paged forward drives, on one process,
-with finished rows dropped and no streamer or stop strings; everything else (sampling,
-tensor parallelism, ``finished_rows="mask"``, ...) runs the static loop below, as
+default) picks it for greedy requests of a model the paged forward drives, on one process
+or a tensor-parallel group, with finished rows dropped and no streamer or stop strings;
+everything else (sampling, whose draws are HF ``generate``'s only here, expert parallelism,
+``finished_rows="mask"``, ...) runs the static loop below, as
 ``kv_cache="dynamic"`` always does. ``kv_cache="paged"`` asks for the paged engine and
 refuses a request it cannot run, naming why.
 

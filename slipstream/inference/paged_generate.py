@@ -53,11 +53,18 @@ def generate_auto(
     finished: FinishedRows,
     sync: RankSync,
     runner: Callable[[], Runner] | None = None,
+    tensor_parallel: bool = False,
 ) -> torch.Tensor:
     """``init_inference(...).generate``'s choice: with ``cache`` "auto" or "paged", greedy
-    requests of one process with finished rows dropped run here (``runner`` returns the
-    model's paged forward to reuse, called only then); the rest, and every other ``cache``,
-    run the static loop (``generation.run``).
+    requests with finished rows dropped run here (``runner`` returns the model's paged
+    forward to reuse, called only then), on one process or on a tensor-parallel group
+    (``tensor_parallel``: ``sync`` is the group's :class:`TPRankSync`, whose ranks then run
+    the same schedule and take TP rank 0's tokens each step); the rest, and every other
+    ``cache``, run the static loop (``generation.run``).
+
+    Sampled requests stay on the static loop: its draws are Hugging Face ``generate``'s
+    (one batch-wide stream, global RNG or the request's generator), which per-row
+    generators cannot reproduce (docs/inference.md).
 
     Raises:
         ConfigError: ``cache="paged"`` and a request this engine cannot run, naming why.
@@ -68,14 +75,17 @@ def generate_auto(
             why = "sampled rows keep the static engine's batch-wide generator draws"
         elif finished != "drop":
             why = f"finished_rows={finished!r} keeps finished rows in the batch"
-        elif type(sync) is not RankSync:  # the base class does nothing: one process
-            why = "several processes generate in lock-step"
+        elif type(sync) is not RankSync and not tensor_parallel:  # the base: one process
+            why = "expert-parallel processes generate in lock-step"
         elif cache == "auto" and not _paged_measured_faster(model):
             why = "measured slower than the static loop for this dtype and device"
         else:
-            why = paged_refusal(model, req)
+            why = paged_refusal(model, req) or (_tp_refusal(model) if tensor_parallel else None)
         if why is None:
-            return run_paged(model, req, runner=None if runner is None else runner())
+            return run_paged(
+                model, req, runner=None if runner is None else runner(),
+                sync=sync if tensor_parallel else None,
+            )  # fmt: skip
         if cache == "paged":
             raise ConfigError(
                 f"generate: kv_cache='paged' cannot run this request: {why}; use "
@@ -83,6 +93,18 @@ def generate_auto(
                 "'dynamic'"
             )
     return generation.run(model, req, cache=cache, finished=finished, sync=sync)
+
+
+def _tp_refusal(model: nn.Module) -> str | None:
+    """Why a tensor-parallel ``model`` cannot run paged: the paged forward reads the local
+    (split) head count from the projections of the GPT and the LLaMA family only."""
+    kind = runner_for(model, fuse=False).kind
+    if kind in ("gpt", "llama"):
+        return None
+    return (
+        f"tensor parallelism on the paged engine covers slipstream's GPT and the LLaMA "
+        f"family, not {kind}"
+    )
 
 
 def _paged_measured_faster(model: nn.Module) -> bool:

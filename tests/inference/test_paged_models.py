@@ -102,6 +102,14 @@ def test_init_inference_generate_runs_greedy_requests_paged():
     sampled = engine.generate(**kwargs, do_sample=True, seed=1)  # auto: the static loop
     assert torch.equal(sampled, init_inference(model, kv_cache="dynamic").generate(
         **kwargs, do_sample=True, seed=1))  # fmt: skip
+    # Why sampled requests stay there: from the global RNG they draw HF generate's tokens.
+    torch.manual_seed(5)
+    unseeded = engine.generate(**kwargs, do_sample=True, temperature=0.9, top_k=40)
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        hf = model.generate(**kwargs, do_sample=True, temperature=0.9, top_k=40)
+    assert torch.equal(unseeded, hf)
+    assert not torch.equal(unseeded, auto)
 
 
 def test_auto_keeps_bf16_models_on_the_static_loop():
