@@ -142,8 +142,9 @@ def collect_state(module: nn.Module, opt: ZeroOptimizer | None, rank: int) -> Co
     tp_rank = _tp_rank(module)
     for name, p in module.named_parameters():
         entry = tp_layout_entry(p)
-        if entry is not None:
-            out.tp_layout[name] = entry
+        if entry is not None:  # under the name the tensor is saved by (an expert's global id)
+            place = getattr(p, "expert_placement", None)
+            out.tp_layout[name if place is None else place.global_name(name)] = entry
     lead = (rank if opt is None else opt.dp_rank) == 0
     # Frozen weights stored as int8 under ZeRO-3 exist in full only while gathered (every
     # rank enters; a no-op for ordinary replicated frozen weights).

@@ -161,11 +161,12 @@ def _train(tp: int, ep: int, expert_tp: bool, stage: int, ckpt: str | None) -> d
     return res
 
 
-def _reload(ckpt: str, expert_tp: bool) -> dict[str, Any]:
-    """The tp 2 x ep 2 checkpoint into a tp 2 x ep 1 engine: every expert on every rank."""
-    net = Net(1, expert_tp)
+def _reload(ckpt: str, expert_tp: bool, tp: int = 2) -> dict[str, Any]:
+    """The tp 2 x ep 2 checkpoint into a tp ``tp`` x ep 1 engine: every expert on every rank
+    (at tp 1 the experts' TP slices, with expert TP, are joined from the saved layout)."""
+    net = Net(1, expert_tp and tp > 1)
     engine, _, _, _ = slipstream.initialize(
-        model=net, model_parameters=net.parameters(), config=_config(1, 2)
+        model=net, model_parameters=net.parameters(), config=_config(1, tp)
     )
     engine.load_checkpoint(ckpt, tag="t")
     params = _params(engine, 0, 1)
@@ -207,6 +208,7 @@ def world(tmp: str) -> dict[str, Any]:
         out[f"tp2_ep2_{expert_tp}"] = _train(2, 2, expert_tp, 0 if expert_tp else 1, ckpt)
         dist.barrier()
         out[f"reload_{expert_tp}"] = _reload(ckpt, expert_tp)
+        out[f"reload_tp1_{expert_tp}"] = _reload(ckpt, expert_tp, tp=1)
     out["ep2_edp2"] = _train(1, 2, False, 2, None)
     return out
 

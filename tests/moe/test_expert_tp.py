@@ -56,6 +56,16 @@ def test_tp2_ep2_checkpoint_loads_at_ep1(ranks: list[dict[str, Any]], expert_tp:
             torch.testing.assert_close(p, w.expected(res["ref_tp"]["params"], name, shard), **TOL)
 
 
+@pytest.mark.parametrize("expert_tp", [False, True])
+def test_tp2_ep2_checkpoint_loads_at_tp1_ep1(ranks: list[dict[str, Any]], expert_tp: bool) -> None:
+    """The same checkpoint at tp 1 x ep 1 (dp 4): whole experts, equal to the tp 2 reload."""
+    for res in ranks:
+        whole = {n: p for n, (p, shard) in res[f"reload_tp1_{expert_tp}"].items()}
+        assert all(shard is None for _, shard in res[f"reload_tp1_{expert_tp}"].values())
+        for name, (p, shard) in res[f"reload_{expert_tp}"].items():
+            torch.testing.assert_close(p, w.expected(whole, name, shard), rtol=0, atol=0)
+
+
 def test_four_rank_expert_splitting_zero2(ranks: list[dict[str, Any]]) -> None:
     """4 experts, ep 2, edp 2 (two ranks per expert group) at ZeRO-2 equal one process."""
     for res in ranks:
