@@ -47,18 +47,18 @@ _CACHE: dict[tuple[int, int, bool], tuple[DeviceMesh, ExpertGroups]] = {}
 _WORLD_MESH: list[DeviceMesh] = []
 
 
-def _dp(mesh: DeviceMesh) -> int:
-    return mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+def _dp_size(mesh: DeviceMesh) -> int:
+    return mesh["dp_replicate"].size() * mesh["dp_shard"].size() * mesh["sp"].size()
 
 
 def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks holding the same parameters, as one axis: data-parallel (replicate x shard)
+    and, under sequence parallelism, sequence-parallel too (``sp`` innermost; the flattening
+    ``mesh.dp_sp_group`` makes)."""
     if mesh["sp"].size() > 1:
-        raise ValueError(
-            f"expert parallelism with sequence parallelism (sequence_parallel_size="
-            f"{mesh['sp'].size()}) is not supported: the expert-parallel group would have to "
-            "span the sequence-parallel ranks too; set ep_size to 1 or sequence_parallel_size "
-            "to 1"
-        )
+        if mesh["dp_replicate"].size() * mesh["dp_shard"].size() == 1:
+            return mesh["sp"]
+        return mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
     if mesh["dp_replicate"].size() == 1:
         return mesh["dp_shard"]
     if mesh["dp_shard"].size() == 1:
@@ -76,7 +76,7 @@ def expert_groups(
     ``torch.distributed`` initialized both groups are single-process (``None``).
 
     Raises:
-        ValueError: ``ep_size`` does not divide the data-parallel size, or sp > 1.
+        ValueError: ``ep_size`` does not divide the data- (times sequence-) parallel size.
     """
     if not comm.is_initialized():
         if ep_size != 1:
@@ -86,7 +86,8 @@ def expert_groups(
             )
         return ExpertGroups(1, None, None, 1)
     if ep_size == 1:  # experts are replicated like dense parameters: no groups needed
-        return ExpertGroups(1, None, None, comm.get_world_size() if mesh is None else _dp(mesh))
+        dp_size = comm.get_world_size() if mesh is None else _dp_size(mesh)
+        return ExpertGroups(1, None, None, dp_size)
     if mesh is None:
         if not _WORLD_MESH:
             _WORLD_MESH.append(build_mesh(ParallelDims(world_size=comm.get_world_size())))
@@ -97,7 +98,8 @@ def expert_groups(
         dp_size = dp.size()
         if ep_size < 1 or dp_size % ep_size:
             raise ValueError(
-                f"ep_size={ep_size} must divide the data-parallel size {dp_size}: choose an "
+                f"ep_size={ep_size} must divide the data-parallel size {dp_size}"
+                f"{' (data x sequence parallel)' if mesh['sp'].size() > 1 else ''}: choose an "
                 "ep_size that divides the number of data-parallel ranks"
             )
         sizes = (
