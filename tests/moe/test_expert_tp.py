@@ -97,6 +97,17 @@ def test_sp2_dp2_ep2_equals_one_process(ranks: list[dict[str, Any]]) -> None:
             torch.testing.assert_close(p, ref["params"][name], **TOL)
 
 
+def test_sp2_dp2_ep2_checkpoint_loads_at_ep1(ranks: list[dict[str, Any]]) -> None:
+    """Every expert of the ep 2 x sp 2 run was saved once under its global id: an ep 1 engine
+    (sp 2 x dp 2) reads all four, equal to the one-process parameters."""
+    for res in ranks:
+        loaded = res["reload_sp"]
+        assert len([n for n in loaded if w.SP_PREFIX in n]) == 3 * w.EXPERTS
+        assert loaded.keys() == res["ref_sp"]["params"].keys()
+        for name, p in loaded.items():
+            torch.testing.assert_close(p, res["ref_sp"]["params"][name], **TOL)
+
+
 def test_tp_pieces_split_every_expert_evenly() -> None:
     """Rank r takes rows [c*r//tp, c*(r+1)//tp) of each expert's block, in row order."""
     from slipstream.moe.tensor_parallel import tp_pieces
