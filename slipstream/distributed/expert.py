@@ -1,11 +1,21 @@
-"""Expert-parallel and expert-data-parallel groups, cut from the data-parallel axis of the mesh.
+"""Expert-parallel and expert-data-parallel groups, cut from the ranks holding the same
+parameters: the data-parallel axis of the mesh, times the sequence-parallel axis under
+sequence parallelism.
 
-An MoE layer with ``ep_size`` spreads its experts over ``ep_size`` data-parallel ranks (the
+An MoE layer with ``ep_size`` spreads its experts over ``ep_size`` of those ranks (the
 expert-parallel group, ``ep``); ranks holding the same experts form the expert-data-parallel
-group (``edp``, ``dp / ep_size`` ranks), over which expert gradients are reduced. Both are
-sub-meshes of the one device mesh: its data-parallel ranks (replicate x shard) are unflattened
-into ``(edp, ep)`` (consecutive ranks share an expert-parallel group, DeepSpeed's default) or
+group (``edp``, ``dp * sp / ep_size`` ranks), over which expert gradients are reduced. Both
+are sub-meshes of the one device mesh: the data-parallel ranks (replicate x shard, then
+``sp`` innermost, the flattening ZeRO shards dense parameters over) are unflattened into
+``(edp, ep)`` (consecutive ranks share an expert-parallel group, DeepSpeed's default) or
 ``(ep, edp)`` (``data_before_expert``), so no group is made outside the mesh.
+
+Under sequence parallelism each rank routes its own sequence shard's tokens (rows of an MoE
+layer are independent); with ``sp`` innermost and consecutive expert-parallel groups, the
+shards of one sequence exchange tokens first, as in DeepSpeed (whose expert groups are
+consecutive ranks of the world, and whose Ulysses groups are consecutive too). Expert
+gradients, summed over ``edp`` and divided by ``dp * sp`` (``ExpertGroups.dp_size``), get
+the average dense gradients get over the data x sequence-parallel ranks.
 
 Under tensor and pipeline parallelism the data-parallel ranks are those of this rank's TP
 coordinate and pipeline stage: the experts are spread over the data-parallel axis only, each
@@ -32,7 +42,8 @@ class ExpertGroups:
         ep_size: ranks in an expert-parallel group.
         ep_group: this rank's expert-parallel group (token all-to-all).
         edp_group: this rank's expert-data-parallel group (expert gradient reduction).
-        dp_size: ranks in the whole data-parallel group (expert gradients are averaged by it).
+        dp_size: ranks in the whole data-parallel group, times the sequence-parallel ranks
+            (expert gradients are averaged by it).
     """
 
     ep_size: int
@@ -69,7 +80,8 @@ def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def expert_groups(
     mesh: DeviceMesh | None, ep_size: int, data_before_expert: bool = False
 ) -> ExpertGroups:
-    """The expert-parallel groups of ``ep_size`` over ``mesh``'s data-parallel ranks.
+    """The expert-parallel groups of ``ep_size`` over ``mesh``'s data-parallel (times
+    sequence-parallel) ranks.
 
     A collective call on first use for a ``(mesh, ep_size)`` (every rank must make it);
     cached after. ``mesh=None`` uses a data-parallel mesh over the whole world, and without
