@@ -13,7 +13,7 @@ head. In the world of 4 gloo ranks:
 - ``sp 2 x dp 2`` with ``ep 2``: the reference GPT (Ulysses attention, one ``MoE`` block) whose
   expert groups are cut from the flattened data x sequence-parallel ranks (the sequence
   shards of one row exchange tokens), against one process on the whole batch (losses, every
-  step's gradients, parameters; ZeRO-2, clipping); its checkpoint loads at ep 1.
+  step's gradients, parameters; ZeRO-0 and ZeRO-2, clipping); its checkpoint loads at ep 1.
 
 Each compares the losses, the global gradient norm (clipping is on and takes effect) and the
 parameters after 3 SGD steps with one process stepping on the mean of the shards' losses.
@@ -215,7 +215,8 @@ def world(tmp: str) -> dict[str, Any]:
         out[f"reload_tp1_{expert_tp}"] = _reload(ckpt, expert_tp, tp=1)
     out["ep2_edp2"] = _train(1, 2, False, 2, None)
     out["ref_sp"] = sp_reference()
-    out["ep2_sp2"] = sp_train(f"{tmp}/ep_sp")
+    out["ep2_sp2_z0"] = sp_train(0, None)  # whole expert gradients: norm summed over ep
+    out["ep2_sp2"] = sp_train(2, f"{tmp}/ep_sp")
     dist.barrier()
     out["reload_sp"] = sp_reload(f"{tmp}/ep_sp")
     return out
@@ -280,11 +281,11 @@ def sp_reference() -> dict[str, Any]:
     return out
 
 
-def _sp_config() -> dict[str, Any]:
+def _sp_config(stage: int = 2) -> dict[str, Any]:
     return {
         "train_batch_size": SP_BATCH,
         "optimizer": {"type": "SGD", "params": {"lr": SP_LR, "momentum": 0.9}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 500},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
         "gradient_clipping": CLIP,
         "sequence_parallel_size": 2,
     }
@@ -300,9 +301,9 @@ def sp_reload(ckpt: str) -> dict[str, torch.Tensor]:
     return params
 
 
-def sp_train(ckpt: str) -> dict[str, Any]:
-    """sp 2 x dp 2 (Ulysses), ep 2, ZeRO-2: this rank's rows, then its sequence shard;
-    saved to ``ckpt`` after the last step."""
+def sp_train(stage: int, ckpt: str | None) -> dict[str, Any]:
+    """sp 2 x dp 2 (Ulysses), ep 2, ZeRO ``stage``: this rank's rows, then its sequence
+    shard; saved to ``ckpt`` after the last step."""
     from slipstream.utils.tensor_fragment import safe_get_full_grad
 
     rank = dist.get_rank()
@@ -310,7 +311,7 @@ def sp_train(ckpt: str) -> dict[str, Any]:
     ref = sp_model(1).state_dict()
     net = sp_model(2)
     net.load_state_dict({n: ref[_sp_name(n, ep_rank)].clone() for n in net.state_dict()})
-    engine, _, _, _ = slipstream.initialize(model=net, config=_sp_config())
+    engine, _, _, _ = slipstream.initialize(model=net, config=_sp_config(stage))
     mesh = engine.mesh
     groups = engine.module.layers[1].mlp.moe.deepspeed_moe
     res: dict[str, Any] = {
@@ -345,6 +346,7 @@ def sp_train(ckpt: str) -> dict[str, Any]:
         res["params"] = {
             _sp_name(n, ep_rank): p.detach().clone() for n, p in engine.module.named_parameters()
         }
-    engine.save_checkpoint(ckpt, tag="t")
+    if ckpt is not None:
+        engine.save_checkpoint(ckpt, tag="t")
     engine.destroy()
     return res

@@ -75,13 +75,14 @@ def test_four_rank_expert_splitting_zero2(ranks: list[dict[str, Any]]) -> None:
         _check(run, res["ref_edp"])
 
 
-def test_sp2_dp2_ep2_equals_one_process(ranks: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("run_name", ["ep2_sp2_z0", "ep2_sp2"])
+def test_sp2_dp2_ep2_equals_one_process(ranks: list[dict[str, Any]], run_name: str) -> None:
     """ep 2 cut from the flattened dp x sp ranks (sp innermost, DeepSpeed's layout): the two
     sequence shards of a row exchange tokens, expert gradients are reduced over the other
     row's ranks; losses, global norms, every step's gradients and the parameters after 3
-    ZeRO-2 steps equal one process on the whole batch (every expert gets tokens)."""
+    ZeRO-0 and ZeRO-2 steps equal one process on the whole batch (every expert gets tokens)."""
     for rank, res in enumerate(ranks):
-        run, ref = res["ep2_sp2"], res["ref_sp"]
+        run, ref = res[run_name], res["ref_sp"]
         assert run["ep_ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert run["ep_rank"] == rank % 2 and run["edp"] == [2]
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
