@@ -31,10 +31,13 @@ __all__ = [
 ]
 
 
-def _assemble(opt: ZeroOptimizer, full: torch.Tensor) -> torch.Tensor:
-    """Sum the per-rank pieces (each element is held by exactly one rank; the rest are 0)."""
+def _assemble(opt: ZeroOptimizer, b: int, full: torch.Tensor) -> torch.Tensor:
+    """Sum the per-rank pieces of bucket ``b`` (each element is held by exactly one rank of
+    the bucket's group, the rest are 0): an expert bucket is sharded over its expert-data-
+    parallel group only (the other ranks hold other experts)."""
     if opt.partition:
-        comm.all_reduce(full, group=opt.group, label="safe_get_full")
+        group = opt.buckets[b].comm_group(opt.group)
+        comm.all_reduce(full, group=group, label="safe_get_full")
     return full
 
 
@@ -50,7 +53,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
         full = torch.zeros(shape.numel(), dtype=shard.master.dtype, device=shard.master.device)
         if mine:
             full[mine.param] = shard.master[mine.at(shard.owned[0])]
-    return _assemble(opt, full).view(shape)
+    return _assemble(opt, b, full).view(shape)
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -69,7 +72,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     full = torch.zeros(bucket.shapes[i].numel(), dtype=grad.dtype, device=grad.device)
     if mine:
         full[mine.param] = grad[mine.at(lo)]
-    return _assemble(opt, full).view(bucket.shapes[i])
+    return _assemble(opt, b, full).view(bucket.shapes[i])
 
 
 def _state_pieces(
@@ -101,7 +104,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
         for where, value in pieces:
             full[where] = value
         full[-1] = 1.0 if pieces else 0.0
-    full = _assemble(opt, full)
+    full = _assemble(opt, b, full)
     if full[-1].item() == 0:
         return None
     return full[:-1].view(shape)

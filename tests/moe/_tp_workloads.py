@@ -9,7 +9,11 @@ head. In the world of 4 gloo ranks:
   computes half of the rows, gradients summed over TP), with it True they are split
   column/row-wise like the dense MLP;
 - ``ep 2, edp 2`` (dp 4, tp 1): 4 experts, two ranks per expert group, at ZeRO-2.
-- ``pp 2 x dp 2``: a ``PipelineModule`` whose first stage holds an ``ep_size`` 2 layer.
+- ``pp 2 x dp 2``: a ``PipelineModule`` whose first stage holds an ``ep_size`` 2 layer;
+- ``sp 2 x dp 2`` with ``ep 2``: the reference GPT (Ulysses attention, one ``MoE`` block) whose
+  expert groups are cut from the flattened data x sequence-parallel ranks (the sequence
+  shards of one row exchange tokens), against one process on the whole batch (losses, every
+  step's gradients, parameters; ZeRO-0 and ZeRO-2, clipping); its checkpoint loads at ep 1.
 
 Each compares the losses, the global gradient norm (clipping is on and takes effect) and the
 parameters after 3 SGD steps with one process stepping on the mean of the shards' losses.
@@ -183,8 +187,8 @@ def _error(fn: Any) -> str:
 
 
 def refusals() -> dict[str, str]:
-    """What is refused, by message: sequence parallelism with ep > 1; expert TP asked for
-    but the experts left whole; a dropless layer under tensor parallelism."""
+    """What is refused, by message: an ep_size not dividing data x sequence parallel ranks;
+    expert TP asked for but the experts left whole; a dropless layer under tensor parallelism."""
     from slipstream.distributed.expert import expert_groups
     from slipstream.distributed.mesh import ParallelDims, build_mesh
     from slipstream.moe import DroplessMoE, expert_parallel_
@@ -193,7 +197,7 @@ def refusals() -> dict[str, str]:
     sp_mesh = build_mesh(ParallelDims(world_size=4, sp=2))
     dropless = nn.Sequential(DroplessMoE(DIM, HIDDEN, EXPERTS, 2))
     return {
-        "sp": _error(lambda: expert_groups(sp_mesh, 2)),
+        "sp": _error(lambda: expert_groups(sp_mesh, 3)),
         "unsplit": _error(lambda: expert_parallel_(Net(2, True), tp_mesh)),
         "dropless": _error(lambda: expert_parallel_(dropless, tp_mesh)),
     }
@@ -210,6 +214,11 @@ def world(tmp: str) -> dict[str, Any]:
         out[f"reload_{expert_tp}"] = _reload(ckpt, expert_tp)
         out[f"reload_tp1_{expert_tp}"] = _reload(ckpt, expert_tp, tp=1)
     out["ep2_edp2"] = _train(1, 2, False, 2, None)
+    out["ref_sp"] = sp_reference()
+    out["ep2_sp2_z0"] = sp_train(0, None)  # whole expert gradients: norm summed over ep
+    out["ep2_sp2"] = sp_train(2, f"{tmp}/ep_sp")
+    dist.barrier()
+    out["reload_sp"] = sp_reload(f"{tmp}/ep_sp")
     return out
 
 
@@ -217,3 +226,127 @@ def expected(ref: dict[str, torch.Tensor], name: str, shard: Any) -> torch.Tenso
     """The one-process tensor ``name``, cut to ``shard`` when this rank holds a TP slice."""
     full = ref[name]
     return full if shard is None else tp_slice(full, shard)
+
+
+# -- ep 2 over sp 2 x dp 2: the reference GPT with Ulysses attention and one MoE block ------
+
+SP_BATCH, SP_SEQ, SP_VOCAB, SP_LR = 4, 16, 64, 0.05
+SP_PREFIX = "layers.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts."
+
+
+def sp_model(ep_size: int) -> nn.Module:
+    """Two blocks, the second an MoE (4 experts, top-1, every token kept: drop_tokens False;
+    no load-balancing loss, which is each rank's own tokens' under sequence parallelism)."""
+    from slipstream.models import GPT, GPTConfig, GPTMoEConfig
+
+    moe = GPTMoEConfig(num_experts=EXPERTS, k=1, ep_size=ep_size, aux_loss_coef=0.0)
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=SP_VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
+            max_seq_len=SP_SEQ, sequence_parallel="ulysses", moe=moe,
+        )
+    )  # fmt: skip
+    model.layers[1].mlp.moe.deepspeed_moe.gate.drop_tokens = False
+    return model
+
+
+def sp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, SP_VOCAB, (SP_BATCH, SP_SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _sp_name(name: str, ep_rank: int) -> str:
+    if not name.startswith(SP_PREFIX):
+        return name
+    lid, rest = name[len(SP_PREFIX) :].split(".", 1)
+    return f"{SP_PREFIX}{int(lid) + ep_rank * (EXPERTS // 2)}.{rest}"
+
+
+def sp_reference() -> dict[str, Any]:
+    """One process, the whole batch, ep_size 1: losses, gradients (before clipping), params."""
+    net = sp_model(1)
+    opt = torch.optim.SGD(net.parameters(), lr=SP_LR, momentum=0.9)
+    out: dict[str, Any] = {"losses": [], "grads": [], "norms": []}
+    for step in range(STEPS):
+        loss = net(*sp_batch(step))
+        loss.backward()
+        out["grads"].append({n: p.grad.clone() for n, p in net.named_parameters()})
+        out["norms"].append(float(nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(float(loss.detach()))
+    out["params"] = {n: p.detach().clone() for n, p in net.named_parameters()}
+    return out
+
+
+def _sp_config(stage: int = 2) -> dict[str, Any]:
+    return {
+        "train_batch_size": SP_BATCH,
+        "optimizer": {"type": "SGD", "params": {"lr": SP_LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+        "gradient_clipping": CLIP,
+        "sequence_parallel_size": 2,
+    }
+
+
+def sp_reload(ckpt: str) -> dict[str, torch.Tensor]:
+    """The ep 2 checkpoint into an ep 1 engine at sp 2 x dp 2: every expert by global id."""
+    engine, _, _, _ = slipstream.initialize(model=sp_model(1), config=_sp_config())
+    engine.load_checkpoint(ckpt, tag="t")
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return params
+
+
+def sp_train(stage: int, ckpt: str | None) -> dict[str, Any]:
+    """sp 2 x dp 2 (Ulysses), ep 2, ZeRO ``stage``: this rank's rows, then its sequence
+    shard; saved to ``ckpt`` after the last step."""
+    from slipstream.utils.tensor_fragment import safe_get_full_grad
+
+    rank = dist.get_rank()
+    ep_rank = rank % 2  # sp is the innermost axis: ep groups {0, 1} and {2, 3}
+    ref = sp_model(1).state_dict()
+    net = sp_model(2)
+    net.load_state_dict({n: ref[_sp_name(n, ep_rank)].clone() for n in net.state_dict()})
+    engine, _, _, _ = slipstream.initialize(model=net, config=_sp_config(stage))
+    mesh = engine.mesh
+    groups = engine.module.layers[1].mlp.moe.deepspeed_moe
+    res: dict[str, Any] = {
+        "losses": [],
+        "grads": [],
+        "norms": [],
+        "ep_rank": dist.get_rank(groups.ep_group),
+        "ep_ranks": dist.get_process_group_ranks(groups.ep_group),
+        "edp": sorted(
+            {comm_size(b.expert.edp_group) for b in engine.optimizer.buckets if b.expert}
+        ),
+    }
+    dp, dp_rank = mesh["dp_shard"].size(), mesh.get_local_rank("dp_shard")
+    sp_rank = mesh.get_local_rank("sp")
+    rows = slice(dp_rank * SP_BATCH // dp, (dp_rank + 1) * SP_BATCH // dp)
+    for step in range(STEPS):
+        x, y = (t[rows].chunk(2, dim=1)[sp_rank].contiguous() for t in sp_batch(step))
+        loss = engine(x, y)
+        engine.backward(loss)
+        res["grads"].append(
+            {
+                _sp_name(n, ep_rank): safe_get_full_grad(p).clone()
+                for n, p in engine.module.named_parameters()
+            }
+        )
+        engine.step()
+        total = loss.detach().clone()  # the same on both sp ranks; the dp halves' mean
+        dist.all_reduce(total)
+        res["losses"].append(float(total) / dist.get_world_size())
+        res["norms"].append(engine.get_global_grad_norm())
+    with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
+        res["params"] = {
+            _sp_name(n, ep_rank): p.detach().clone() for n, p in engine.module.named_parameters()
+        }
+    if ckpt is not None:
+        engine.save_checkpoint(ckpt, tag="t")
+    engine.destroy()
+    return res

@@ -1,8 +1,9 @@
 """Expert parallelism with tensor parallelism (tp 2 x ep 2, experts replicated over TP or split
 by expert TP) and 4-rank expert splitting (ep 2, edp 2, ZeRO-2) on 4 gloo ranks equal one
 process on the same global batch: losses, clipped global gradient norms, parameters after 3
-steps; the tp 2 x ep 2 checkpoint loads into a tp 2 x ep 1 engine; what is refused is refused by
-name (pipelines with ep_size 2: test_pipeline_ep.py)."""
+steps; the tp 2 x ep 2 checkpoint loads into a tp 2 x ep 1 engine; ep 2 over sp 2 x dp 2 (the
+reference GPT, Ulysses) equals one process too; what is refused is refused by name (pipelines
+with ep_size 2: test_pipeline_ep.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,40 @@ def test_four_rank_expert_splitting_zero2(ranks: list[dict[str, Any]]) -> None:
         _check(run, res["ref_edp"])
 
 
+@pytest.mark.parametrize("run_name", ["ep2_sp2_z0", "ep2_sp2"])
+def test_sp2_dp2_ep2_equals_one_process(ranks: list[dict[str, Any]], run_name: str) -> None:
+    """ep 2 cut from the flattened dp x sp ranks (sp innermost, DeepSpeed's layout): the two
+    sequence shards of a row exchange tokens, expert gradients are reduced over the other
+    row's ranks; losses, global norms, every step's gradients and the parameters after 3
+    ZeRO-0 and ZeRO-2 steps equal one process on the whole batch (every expert gets tokens)."""
+    for rank, res in enumerate(ranks):
+        run, ref = res[run_name], res["ref_sp"]
+        assert run["ep_ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert run["ep_rank"] == rank % 2 and run["edp"] == [2]
+        assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert run["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert ref["norms"][0] > w.CLIP
+        for step in range(w.STEPS):
+            for e in range(w.EXPERTS):
+                assert ref["grads"][step][f"{w.SP_PREFIX}{e}.down_proj.weight"].abs().sum() > 0
+            assert len(run["grads"][step]) == len(ref["grads"][step]) - w.EXPERTS // 2 * 3
+            for name, g in run["grads"][step].items():
+                torch.testing.assert_close(g, ref["grads"][step][name], **TOL)
+        for name, p in run["params"].items():
+            torch.testing.assert_close(p, ref["params"][name], **TOL)
+
+
+def test_sp2_dp2_ep2_checkpoint_loads_at_ep1(ranks: list[dict[str, Any]]) -> None:
+    """Every expert of the ep 2 x sp 2 run was saved once under its global id: an ep 1 engine
+    (sp 2 x dp 2) reads all four, equal to the one-process parameters."""
+    for res in ranks:
+        loaded = res["reload_sp"]
+        assert len([n for n in loaded if w.SP_PREFIX in n]) == 3 * w.EXPERTS
+        assert loaded.keys() == res["ref_sp"]["params"].keys()
+        for name, p in loaded.items():
+            torch.testing.assert_close(p, res["ref_sp"]["params"][name], **TOL)
+
+
 def test_tp_pieces_split_every_expert_evenly() -> None:
     """Rank r takes rows [c*r//tp, c*(r+1)//tp) of each expert's block, in row order."""
     from slipstream.moe.tensor_parallel import tp_pieces
@@ -84,10 +119,10 @@ def test_tp_pieces_split_every_expert_evenly() -> None:
 
 
 def test_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
-    """ep > 1 with sequence parallelism, expert TP with experts the TP plan left whole, and a
+    """An ep_size not dividing the dp x sp ranks, expert TP with experts the TP plan left whole, and a
     dropless layer of ep_size 2 under tensor parallelism are refused, naming the setting to change."""
     for res in ranks:
         msg = res["refusals"]
-        assert "sequence_parallel_size=2" in msg["sp"] and "set ep_size to 1" in msg["sp"]
+        assert "ep_size=3 must divide the data-parallel size 4 (data x sequence" in msg["sp"]
         assert "enable_expert_tensor_parallelism=True but no expert parameter" in msg["unsplit"]
         assert "in a DroplessMoE layer is not supported" in msg["dropless"]
