@@ -300,3 +300,30 @@ def test_grpo_step_scores_ragged_answers_as_one_padded_batch():
             assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-4, abs=1e-6)
     for a, b in zip(plain_w, chunked_w):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.rlhf_checks("grpo_ragged")
+def test_grpo_ragged_scoring_at_two_zero3_ranks_equals_the_padded_forward(rlhf_world):
+    """At 2 ranks with ZeRO-3 (every forward and backward gathers parameters together), each
+    rank's own prompts and ragged answers need their own number of scoring forwards; the
+    ranks agree on the largest, the others padding with one-token forwards. Two steps (two
+    updates per batch) give the metrics and weights of the padded
+    single forward on the same answers."""
+    from tests.rlhf._hybrid_workloads import result
+
+    ranks = result(rlhf_world, "grpo_ragged")
+    counts = [r["ragged"]["counts"] for r in ranks]
+    assert len(counts[0]) == len(counts[1]) > 0
+    for (n0, agreed0), (n1, agreed1) in zip(*counts):
+        assert agreed0 == agreed1 == max(n0, n1)
+    assert any(n0 != n1 for (n0, _), (n1, _) in zip(*counts)), counts  # padding exercised
+    lengths = {m["response_length"] for r in ranks for m in r["padded"]["metrics"]}
+    assert len(lengths) > 1  # ragged answers, different between ranks and steps
+    for r in ranks:
+        plain, chunked = r["padded"], r["ragged"]
+        for a, b in zip(plain["metrics"], chunked["metrics"], strict=True):
+            assert a["response_length"] == b["response_length"]  # the same answers drawn
+            for name in ("reward_mean", "kl", "entropy", "clip_fraction"):
+                assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), name
+        for name, want in plain["params"].items():
+            torch.testing.assert_close(chunked["params"][name], want, rtol=1e-4, atol=1e-5)
