@@ -17,6 +17,7 @@ from slipstream.rlhf.policy import (
     answer_logprobs,
     clip_fraction,
     entropy_from_logits,
+    output_logits,
     position_ids,
     ragged_answer_logprobs,
     ragged_chunks,
@@ -257,6 +258,39 @@ def test_ragged_answer_logprobs_equal_one_padded_forward(kind, shared):
         assert len(grads[0]) == len(grads[1]) > 0
         for want, got in zip(*grads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_ragged_scoring_pads_to_the_agreed_forward_count(kind):
+    """``agree`` asking for 2 more forwards than this batch needs: two one-token forwards
+    run besides the others and their backward runs too, and the log-probabilities and
+    gradients are those without them."""
+    seqs, mask, amask = _ragged_batch(shared=True)
+    runs = []
+    for extra in (0, 2):
+        model = _gpt() if kind == "gpt" else _tiny_llama()
+        lengths: list[int] = []
+        model.register_forward_pre_hook(
+            lambda m, a, k, out=lengths: out.append(k["input_ids"].shape[1]), with_kwargs=True
+        )
+        backwards: list[int] = []
+
+        def count_backward(m, a, out, seen=backwards):  # a hook on the logits' gradient
+            output_logits(out).register_hook(lambda g: seen.append(1))
+
+        model.register_forward_hook(count_backward)
+        asked: list[int] = []
+        agree = (lambda n, e=extra: asked.append(n) or n + e) if extra else None
+        logp, _ = ragged_answer_logprobs(model, seqs, mask, amask, agree=agree)
+        (logp * amask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        runs.append((logp.detach(), grads, lengths, len(backwards), asked))
+    (logp0, grads0, lengths0, back0, _), (logp2, grads2, lengths2, back2, asked) = runs
+    assert asked == [len(lengths0)]
+    assert sorted(lengths2) == sorted([*lengths0, 1, 1]) and back2 == back0 + 2
+    torch.testing.assert_close(logp2, logp0, rtol=0, atol=0)
+    for got, want in zip(grads2, grads0, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_grpo_step_scores_ragged_answers_as_one_padded_batch():
