@@ -280,7 +280,7 @@ def test_ragged_scoring_pads_to_the_agreed_forward_count(kind):
 
         model.register_forward_hook(count_backward)
         asked: list[int] = []
-        agree = (lambda n, e=extra: asked.append(n) or n + e) if extra else None
+        agree = (lambda n, e=extra, seen=asked: seen.append(n) or n + e) if extra else None
         logp, _ = ragged_answer_logprobs(model, seqs, mask, amask, agree=agree)
         (logp * amask).sum().backward()
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
