@@ -91,6 +91,7 @@ __all__ = [
     "is_process_group",
     "isend",
     "log_summary",
+    "max_int",
     "new_group",
     "recv",
     "reduce_scatter_tensor",
@@ -270,6 +271,20 @@ def any_true(flag: bool, group: Group = None, label: str | None = None) -> bool:
     Every rank of the group must call it. Without a world, or in a group of one: ``flag``.
     """
     return _flag_reduce(flag, ReduceOp.MAX, group, label)
+
+
+def max_int(value: int, group: Group = None, label: str | None = None) -> int:
+    """The largest of every rank's ``value`` in ``group`` (one 8-byte all-reduce, MAX), e.g.
+    how many times ranks that must call a collective in lock-step each call it.
+
+    Every rank of the group must call it. Without a world, or in a group of one: ``value``.
+    """
+    if not is_initialized() or get_world_size(group) == 1:
+        return value
+    device = "cpu" if _is_gloo(group) else get_accelerator().current_device_name()
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    all_reduce(t, op=ReduceOp.MAX, group=group, label=label)
+    return int(t.item())
 
 
 _ScratchKey = tuple[int, torch.dtype, torch.device]

@@ -249,11 +249,27 @@ class GRPOTrainer:
     # ----------------------------------------------------------------- internals
     def _ragged(self) -> bool:
         """Score in length-sorted chunks, padding left out
-        (:func:`~slipstream.rlhf.policy.ragged_answer_logprobs`)? In a single process only:
-        the number of forwards then depends on this rank's answers, and with more ranks a
-        forward may hold collectives (ZeRO-3's gathers, tensor or sequence parallelism)
-        that every rank must call equally often."""
-        return comm.get_world_size() == 1
+        (:func:`~slipstream.rlhf.policy.ragged_answer_logprobs`)? With data parallelism only
+        (every rank a data-parallel rank, as ZeRO at any stage): the number of forwards then
+        depends on each rank's answers, and the ranks agree on one count
+        (:meth:`_agree_forwards`). Tensor, sequence or pipeline parallelism split one
+        forward over ranks that must feed it the same shapes: the padded forward."""
+        world = comm.get_world_size()
+        return world == 1 or self.engine.dp_world_size == world
+
+    @staticmethod
+    def _agree_forwards(count: int) -> int:
+        """The number of scoring forwards every rank runs: the largest rank's ``count``.
+
+        A forward may hold collectives every rank must call in the same order (ZeRO-3
+        gathers each unit's parameters in the forward and again in its backward; an
+        expert-parallel MoE layer's all-to-all); ranks with fewer forwards pad with
+        one-token ones. Without such collectives (ZeRO 0-2, no experts) the count would
+        not need to agree, since gradients are reduced once per backward call and every
+        rank calls backward once per micro-batch; the 8-byte all-reduce and the few
+        one-token forwards are kept anyway, so the models and configs are not told apart
+        here."""
+        return comm.max_int(count, label="grpo_scoring_forwards")
 
     def _logprobs(
         self,
@@ -268,7 +284,9 @@ class GRPOTrainer:
         when ``entropy``. Positions past an answer's end are not meaningful (masked out)."""
         t = self.config.temperature
         if self._ragged():
-            return ragged_answer_logprobs(model, seqs, mask, answer, t, entropy=entropy)
+            return ragged_answer_logprobs(
+                model, seqs, mask, answer, t, entropy=entropy, agree=self._agree_forwards
+            )
         logits, logp = answer_logprobs(model, seqs, mask, answer.shape[1], t)
         if not entropy:
             return logp, None

@@ -15,6 +15,7 @@ are computed in fp32 from the logits, the two functions TRL keeps for the same p
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +213,7 @@ def ragged_answer_logprobs(
     chunks: list[RaggedChunk] | None = None,
     entropy: bool = False,
     share_prompts: bool = True,
+    agree: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`answer_logprobs` of a batch of ragged answers, padding and repeated prompts
     left out.
@@ -227,15 +229,36 @@ def ragged_answer_logprobs(
     The pieces are put back in the batch's order and padded with 0 to ``[N, A]``;
     gradients flow through them as through one forward.
 
+    How many forwards that takes depends on the batch. Where ranks must run every forward
+    (and its backward) together, because a forward holds collectives (ZeRO-3 gathers each
+    unit's parameters in the forward and again in the backward), ``agree`` maps this
+    rank's count to the count every rank runs (e.g. the largest,
+    :func:`slipstream.distributed.comm.max_int`); a rank with fewer then runs the rest as
+    one-token forwards whose logits enter the result times 0, so their backward passes
+    run too. Every forward goes through the same modules in the same order, so the
+    ranks' collectives pair up whatever each forward holds.
+
     Returns:
         ``(log-probabilities [N, A], entropy [N, A] or None)``: the entropy (detached) of the
         tempered distributions when ``entropy``. Positions past a row's answer hold 0.
     """
     n, width = answer.shape
     keep = _keeps_logits(model)
-    prompts = _shared_prompts(model, seqs, mask, width) if share_prompts and keep else None
+    prompts: _SharedPrompts | None = None
+    spare: list[torch.Tensor] = []
+    if share_prompts and keep:
+        prompts, spare = _shared_prompts(model, seqs, mask, width)
     if chunks is None:
         chunks = ragged_chunks(mask, answer, with_prompt=prompts is None)
+    if agree is None:
+        spare = []  # a forward no other rank needs to match: its output is dropped
+    else:
+        ran = int(prompts is not None) + len(spare)
+        ran += sum(1 for c in chunks if prompts is None or c.answer_len > 1)
+        for _ in range(agree(ran) - ran):
+            kwargs = {"logits_to_keep": 1} if keep else {}
+            one = torch.ones(1, 1, dtype=mask.dtype, device=mask.device)
+            spare.append(output_logits(masked_forward(model, seqs[:1, -1:], one, **kwargs)))
     pieces, entropies, rows = [], [], []
     for c in chunks:
         a, stop = c.answer_len, seqs.shape[1] - width + c.answer_len
@@ -257,6 +280,8 @@ def ragged_answer_logprobs(
     inverse = torch.empty(n, dtype=torch.long)
     inverse[torch.cat(rows)] = torch.arange(n)
     logp = torch.cat(pieces)[inverse]
+    if spare and torch.is_grad_enabled():  # their backward runs too (zero gradients)
+        logp = logp + torch.stack([x.float().sum() for x in spare]).sum() * 0.0
     return logp, (torch.cat(entropies)[inverse] if entropy else None)
 
 
@@ -310,27 +335,29 @@ class _SharedPrompts:
 
 def _shared_prompts(
     model: nn.Module, seqs: torch.Tensor, mask: torch.Tensor, answer_width: int
-) -> _SharedPrompts | None:
+) -> tuple[_SharedPrompts | None, list[torch.Tensor]]:
     """Run each distinct prompt of the batch once (see :func:`ragged_answer_logprobs`);
     None when no prompt repeats or the model does not keep a plain
     :class:`transformers.DynamicCache` (other cache classes, sliding windows, activation
-    checkpointing, transformers without ``DynamicLayer``)."""
+    checkpointing, transformers without ``DynamicLayer``). The list holds the logits of a
+    forward that ran but whose cache cannot serve (the caller counts it, and keeps it in
+    the graph so its backward runs as on other ranks)."""
     keyword = _cache_keyword(model)
     try:
         from transformers.cache_utils import DynamicCache, DynamicLayer
     except ImportError:
-        return None
+        return None, []
     inner = getattr(model, "module", model)
     flag = "is_activation_checkpointing"  # transformers 5 (before: is_gradient_checkpointing)
     flag = flag if hasattr(type(inner), flag) else "is_gradient_checkpointing"
     if keyword is None or getattr(inner, flag, False):
-        return None  # Hugging Face turns the cache off under checkpointing in training
+        return None, []  # Hugging Face turns the cache off under checkpointing in training
     n, prompt_len = seqs.shape[0], seqs.shape[1] - answer_width
     pm = mask[:, :prompt_len]
     key = torch.cat([seqs[:, :prompt_len] * pm, pm], dim=1)
     unique, index = torch.unique(key, dim=0, return_inverse=True)
     if unique.shape[0] == n:
-        return None
+        return None, []
     first = torch.full((unique.shape[0],), n, dtype=torch.long)
     first.scatter_reduce_(0, index, torch.arange(n), reduce="amin")
     real = pm[first].bool()
@@ -340,12 +367,15 @@ def _shared_prompts(
     out = masked_forward(model, ids, m, use_cache=True, logits_to_keep=1)
     cache = out.get(keyword) if hasattr(out, "get") else None
     layers = getattr(cache, "layers", None)
-    if type(cache) is not DynamicCache or not layers:
-        return None
-    if any(type(layer) is not DynamicLayer for layer in layers):
-        return None
+    if (
+        type(cache) is not DynamicCache
+        or not layers
+        or any(type(layer) is not DynamicLayer for layer in layers)
+    ):
+        return None, [output_logits(out)]
     kv = [(layer.keys, layer.values) for layer in layers]
-    return _SharedPrompts(kv, output_logits(out)[:, -1], index, start, prompt_len, keyword)
+    shared = _SharedPrompts(kv, output_logits(out)[:, -1], index, start, prompt_len, keyword)
+    return shared, []
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

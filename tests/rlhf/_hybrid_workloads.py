@@ -430,6 +430,63 @@ def grpo_demo(steps: int = 15) -> dict[str, float]:
     return result
 
 
+def grpo_ragged_checks(steps: int = 2, stage: int = 3) -> dict[str, Any]:
+    """GRPOTrainer at 2 ranks, ZeRO-3, scoring in length-sorted chunks on shared prompts
+    (each rank its own prompts and ragged answers, so its own number of forwards) and
+    scoring the padded batch in one forward: the metrics of each step, the updated weights,
+    and the forward counts the ranks brought to the agreement. SGD, not Adam: Adam's first
+    step moves a parameter by the learning rate whatever its gradient's size, so rounding
+    noise in a near-zero gradient would move the two runs apart by a full step."""
+    import slipstream
+    from slipstream.rlhf import GRPOConfig, GRPOTrainer
+
+    base = tiny_llama(3)
+    with torch.no_grad():
+        base.lm_head.weight[EOS] += 0.5 * base.model.norm.weight.sign()  # early EOS, at times
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 32},
+    }
+    cfg = GRPOConfig(group_size=4, max_new_tokens=20, top_k=0, updates_per_batch=2, temperature=0.9)
+    ids, mask = prompts(comm_rank())
+    out: dict[str, Any] = {}
+    for ragged in (False, True):
+        engine, *_ = slipstream.initialize(model=copy.deepcopy(base).train(), config=config)
+        trainer = GRPOTrainer(
+            engine, lambda p, c: [float(len(x)) for x in c], cfg, reference=copy.deepcopy(base)
+        )
+        counts: list[tuple[int, int]] = []
+        if ragged:
+            trainer._agree_forwards = _recording(trainer._agree_forwards, counts)  # type: ignore[method-assign]
+        else:
+            trainer._ragged = lambda: False  # type: ignore[method-assign]
+        metrics = [trainer.step(ids, mask) for _ in range(steps)]
+        out["ragged" if ragged else "padded"] = {
+            "metrics": [m.__dict__ for m in metrics],
+            "params": full_params(engine),
+            "counts": counts,
+        }
+    return out
+
+
+def _recording(agree: Any, counts: list[tuple[int, int]]) -> Any:
+    """``agree`` that appends each (this rank's count, agreed count) to ``counts``."""
+
+    def wrapped(n: int) -> int:
+        counts.append((n, agree(n)))
+        return counts[-1][1]
+
+    return wrapped
+
+
+def comm_rank() -> int:
+    from slipstream.distributed import comm
+
+    return comm.get_rank()
+
+
 def checks() -> dict[str, Any]:
     """Every engine-level RLHF check of the 2-rank world, by name (what the tests mark with
     ``@pytest.mark.rlhf_checks(name)`` and read with :func:`result`)."""
@@ -445,6 +502,7 @@ def checks() -> dict[str, Any]:
         "gen3": lambda: generation_checks(3),
         "trip3": lambda: round_trip_checks(3),
         "grpo": grpo_demo,
+        "grpo_ragged": grpo_ragged_checks,
         **lora.CHECKS,
         "tp_gen": tp_generation_checks,
         "tp_trip": tp_round_trip_checks,

@@ -17,6 +17,7 @@ from slipstream.rlhf.policy import (
     answer_logprobs,
     clip_fraction,
     entropy_from_logits,
+    output_logits,
     position_ids,
     ragged_answer_logprobs,
     ragged_chunks,
@@ -259,6 +260,39 @@ def test_ragged_answer_logprobs_equal_one_padded_forward(kind, shared):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_ragged_scoring_pads_to_the_agreed_forward_count(kind):
+    """``agree`` asking for 2 more forwards than this batch needs: two one-token forwards
+    run besides the others and their backward runs too, and the log-probabilities and
+    gradients are those without them."""
+    seqs, mask, amask = _ragged_batch(shared=True)
+    runs = []
+    for extra in (0, 2):
+        model = _gpt() if kind == "gpt" else _tiny_llama()
+        lengths: list[int] = []
+        model.register_forward_pre_hook(
+            lambda m, a, k, out=lengths: out.append(k["input_ids"].shape[1]), with_kwargs=True
+        )
+        backwards: list[int] = []
+
+        def count_backward(m, a, out, seen=backwards):  # a hook on the logits' gradient
+            output_logits(out).register_hook(lambda g: seen.append(1))
+
+        model.register_forward_hook(count_backward)
+        asked: list[int] = []
+        agree = (lambda n, e=extra, seen=asked: seen.append(n) or n + e) if extra else None
+        logp, _ = ragged_answer_logprobs(model, seqs, mask, amask, agree=agree)
+        (logp * amask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        runs.append((logp.detach(), grads, lengths, len(backwards), asked))
+    (logp0, grads0, lengths0, back0, _), (logp2, grads2, lengths2, back2, asked) = runs
+    assert asked == [len(lengths0)]
+    assert sorted(lengths2) == sorted([*lengths0, 1, 1]) and back2 == back0 + 2
+    torch.testing.assert_close(logp2, logp0, rtol=0, atol=0)
+    for got, want in zip(grads2, grads0, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_grpo_step_scores_ragged_answers_as_one_padded_batch():
     """GRPOTrainer in one process scores in chunks with shared prompts; three steps (two
     updates per batch, so the old policy's forward runs too) give the metrics and the
@@ -300,3 +334,30 @@ def test_grpo_step_scores_ragged_answers_as_one_padded_batch():
             assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-4, abs=1e-6)
     for a, b in zip(plain_w, chunked_w):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.rlhf_checks("grpo_ragged")
+def test_grpo_ragged_scoring_at_two_zero3_ranks_equals_the_padded_forward(rlhf_world):
+    """At 2 ranks with ZeRO-3 (every forward and backward gathers parameters together), each
+    rank's own prompts and ragged answers need their own number of scoring forwards; the
+    ranks agree on the largest, the others padding with one-token forwards. Two steps (two
+    updates per batch) give the metrics and weights of the padded
+    single forward on the same answers."""
+    from tests.rlhf._hybrid_workloads import result
+
+    ranks = result(rlhf_world, "grpo_ragged")
+    counts = [r["ragged"]["counts"] for r in ranks]
+    assert len(counts[0]) == len(counts[1]) > 0
+    for (n0, agreed0), (n1, agreed1) in zip(*counts):
+        assert agreed0 == agreed1 == max(n0, n1)
+    assert any(n0 != n1 for (n0, _), (n1, _) in zip(*counts)), counts  # padding exercised
+    lengths = {m["response_length"] for r in ranks for m in r["padded"]["metrics"]}
+    assert len(lengths) > 1  # ragged answers, different between ranks and steps
+    for r in ranks:
+        plain, chunked = r["padded"], r["ragged"]
+        for a, b in zip(plain["metrics"], chunked["metrics"], strict=True):
+            assert a["response_length"] == b["response_length"]  # the same answers drawn
+            for name in ("reward_mean", "kl", "entropy", "clip_fraction"):
+                assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), name
+        for name, want in plain["params"].items():
+            torch.testing.assert_close(chunked["params"][name], want, rtol=1e-4, atol=1e-5)
