@@ -458,8 +458,8 @@ def grpo_ragged_checks(steps: int = 2, stage: int = 3) -> dict[str, Any]:
             engine, lambda p, c: [float(len(x)) for x in c], cfg, reference=copy.deepcopy(base)
         )
         counts: list[tuple[int, int]] = []
-        if ragged:
-            trainer._agree_forwards = _recording(trainer._agree_forwards, counts)  # type: ignore[method-assign]
+        if ragged:  # rank 1 asks for one forward more: some rank always pads, on any CPU
+            trainer._agree_forwards = _recording(trainer._agree_forwards, counts, comm_rank())  # type: ignore[method-assign]
         else:
             trainer._ragged = lambda: False  # type: ignore[method-assign]
         metrics = [trainer.step(ids, mask) for _ in range(steps)]
@@ -471,11 +471,13 @@ def grpo_ragged_checks(steps: int = 2, stage: int = 3) -> dict[str, Any]:
     return out
 
 
-def _recording(agree: Any, counts: list[tuple[int, int]]) -> Any:
-    """``agree`` that appends each (this rank's count, agreed count) to ``counts``."""
+def _recording(agree: Any, counts: list[tuple[int, int]], extra: int = 0) -> Any:
+    """``agree`` that appends each (this rank's count, agreed count) to ``counts``, asking
+    for ``extra`` forwards more than this rank needs (so the padding forwards run whatever
+    answer lengths this CPU's sampling drew)."""
 
     def wrapped(n: int) -> int:
-        counts.append((n, agree(n)))
+        counts.append((n, agree(n + extra)))
         return counts[-1][1]
 
     return wrapped
