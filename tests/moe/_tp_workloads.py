@@ -7,7 +7,8 @@ head. In the world of 4 gloo ranks:
 - ``tp 2 x ep 2`` (dp 2): the experts of one TP rank are spread over the two data-parallel
   ranks; with ``enable_expert_tensor_parallelism`` False they are whole on both TP ranks (each
   computes half of the rows, gradients summed over TP), with it True they are split
-  column/row-wise like the dense MLP;
+  column/row-wise like the dense MLP; both at ZeRO-3 too, and the replicated layout at
+  ZeRO-2 in bf16;
 - ``ep 2, edp 2`` (dp 4, tp 1): 4 experts, two ranks per expert group, at ZeRO-2.
 - ``pp 2 x dp 2``: a ``PipelineModule`` whose first stage holds an ``ep_size`` 2 layer;
 - ``sp 2 x dp 2`` with ``ep 2``: the reference GPT (Ulysses attention, one ``MoE`` block) whose
@@ -117,13 +118,14 @@ def reference_run(shards: int) -> dict[str, Any]:
     return out
 
 
-def _config(stage: int, tp: int) -> dict[str, Any]:
+def _config(stage: int, tp: int, bf16: bool = False) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
         "gradient_clipping": CLIP,
         "tensor_parallel": {"autotp_size": tp},
+        "bf16": {"enabled": bf16},
     }
 
 
@@ -131,21 +133,24 @@ def _params(engine: Any, ep_rank: int, ep_size: int) -> dict[str, tuple[torch.Te
     """This rank's parameters by one-process name, with their TP slice record."""
     with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
         return {
-            str(_global(n, ep_rank, ep_size)): (p.detach().clone(), tp_shard(p))
+            str(_global(n, ep_rank, ep_size)): (p.detach().float().clone(), tp_shard(p))
             for n, p in engine.module.named_parameters()
         }
 
 
-def _train(tp: int, ep: int, expert_tp: bool, stage: int, ckpt: str | None) -> dict[str, Any]:
+def _train(
+    tp: int, ep: int, expert_tp: bool, stage: int, ckpt: str | None, bf16: bool = False
+) -> dict[str, Any]:
     rank = dist.get_rank()
     dp_rank, ep_rank = rank // tp, (rank // tp) % ep
     net = local_copy(reference(), ep, ep_rank, expert_tp)
     engine, _, _, _ = slipstream.initialize(
-        model=net, model_parameters=net.parameters(), config=_config(stage, tp)
+        model=net, model_parameters=net.parameters(), config=_config(stage, tp, bf16)
     )
     res: dict[str, Any] = {"losses": [], "norms": [], "dp_rank": dp_rank}
+    dtype = torch.bfloat16 if bf16 else torch.float32
     for x, y in batches(dp_rank):
-        loss = engine(x, y)
+        loss = engine(x.to(dtype), y.to(dtype))
         engine.backward(loss)
         engine.step()
         res["losses"].append(float(loss))
@@ -213,6 +218,9 @@ def world(tmp: str) -> dict[str, Any]:
         dist.barrier()
         out[f"reload_{expert_tp}"] = _reload(ckpt, expert_tp)
         out[f"reload_tp1_{expert_tp}"] = _reload(ckpt, expert_tp, tp=1)
+    for expert_tp in (False, True):
+        out[f"tp2_ep2_z3_{expert_tp}"] = _train(2, 2, expert_tp, 3, None)
+    out["tp2_ep2_bf16"] = _train(2, 2, False, 2, None, bf16=True)
     out["ep2_edp2"] = _train(1, 2, False, 2, None)
     out["ref_sp"] = sp_reference()
     out["ep2_sp2_z0"] = sp_train(0, None)  # whole expert gradients: norm summed over ep
