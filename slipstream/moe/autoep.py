@@ -133,6 +133,9 @@ class AutoEPExperts(nn.Module):
         """``(alpha, limit)`` of MiniMax-M3's clamped SwiGLU (GPT-OSS's form), else None."""
         self.ep_group: comm.Group = None
         self.stats: RoutingStats | None = None
+        # Set by ``expert_parallel_`` under tensor parallelism with ``ep_size`` > 1
+        # (``slipstream.moe.tensor_parallel.TPTokenSplit``): how the rows reach the experts.
+        self.exchange: Callable[..., Tensor] = exchange_and_run
         mark_expert_params(self, self.expert_group_name)
 
     @property
@@ -166,9 +169,7 @@ class AutoEPExperts(nn.Module):
         idx = top_k_index.t().contiguous()
         idx = torch.where(idx >= self.num_experts, torch.full_like(idx, -1), idx)
         g = group_by_expert(idx, top_k_weights.t(), self.num_experts)
-        out = exchange_and_run(
-            self, gather_tokens(hidden, g), g.counts, self.ep_size, self.ep_group
-        )
+        out = self.exchange(self, gather_tokens(hidden, g), g.counts, self.ep_size, self.ep_group)
         self.stats = RoutingStats.of(g.counts, g.counts)
         return combine(out, g, hidden.shape[0], hidden.dtype)
 

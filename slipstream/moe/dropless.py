@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -211,6 +212,9 @@ class DroplessMoE(nn.Module):
         )
         self.ep_group: comm.Group = None
         self.stats: RoutingStats | None = None
+        # Set by ``expert_parallel_`` under tensor parallelism with ``ep_size`` > 1
+        # (``slipstream.moe.tensor_parallel.TPTokenSplit``): how the rows reach the experts.
+        self.exchange: Callable[..., Tensor] = exchange_and_run
 
     def set_ep_group(self, ep_group: comm.Group) -> None:
         """Give the layer its expert-parallel group (``expert_parallel_`` does this)."""
@@ -234,7 +238,7 @@ class DroplessMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         experts, weights, loss, counts = self.router(flat)
         g = group_by_expert(experts, weights, self.num_experts)
-        out = exchange_and_run(
+        out = self.exchange(
             self.experts, gather_tokens(flat, g), g.counts, self.ep_size, self.ep_group
         )
         self.stats = RoutingStats.of(counts, g.counts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,10 @@ from slipstream.moe.experts import mark_expert_params
 from slipstream.moe.layer import MoE
 from slipstream.moe.tensor_parallel import TPTokenSplit, sum_expert_grads_over_tp_
 from slipstream.moe.utils import is_moe_param, moe_layers
+
+if TYPE_CHECKING:
+    from slipstream.moe.autoep import AutoEPExperts
+    from slipstream.moe.dropless import DroplessMoE
 
 __all__ = [
     "ExpertPlacement",
@@ -46,15 +51,16 @@ def expert_parallel_(
     Returns the groups by expert group name (``"ep_size_<n>"``). A collective call the first
     time an ``ep_size`` is seen (every rank must make it, in the same order).
 
-    Under tensor parallelism (a ``tp`` axis of ``mesh`` larger than 1) each ``MoE`` layer
-    also gets what ``slipstream.moe.tensor_parallel`` describes: TP-replicated experts compute
-    a share of the tokens each (their gradients summed over the TP group), TP-split experts
+    Under tensor parallelism (a ``tp`` axis of ``mesh`` larger than 1) each ``MoE`` layer,
+    and each ``DroplessMoE`` or AutoEP layer with ``ep_size`` > 1, also gets what
+    ``slipstream.moe.tensor_parallel`` describes: TP-replicated experts compute a share of the
+    tokens each (their gradients summed over the TP group), TP-split experts
     (``enable_expert_tensor_parallelism``) all of them.
 
     Raises:
-        ValueError: an ``ep_size`` that does not divide the data-parallel size; tensor
-            and expert parallelism in a layer other than ``MoE``, or experts split (or not) against
-            the layer's ``enable_expert_tensor_parallelism``.
+        ValueError: an ``ep_size`` that does not divide the data-parallel size; experts
+            split (or not) against an ``MoE`` layer's ``enable_expert_tensor_parallelism``,
+            or split at all in a ``DroplessMoE`` or AutoEP layer.
     """
     layers = moe_layers(model)
     out: dict[str, ExpertGroups] = {}
@@ -94,21 +100,26 @@ def agree_expert_groups(model: nn.Module, mesh: DeviceMesh) -> None:
         expert_groups(mesh, ep_size)
 
 
-def _tensor_parallel_(layer: nn.Module, tp_group: comm.Group) -> None:
+def _tensor_parallel_(layer: MoE | DroplessMoE | AutoEPExperts, tp_group: comm.Group) -> None:
     """How an MoE layer of a tensor-parallel model computes each token once per TP group
-    (``slipstream.moe.tensor_parallel``). Other MoE layer kinds keep whole experts on every
-    TP rank, each computing every token, and are refused with ``ep_size`` > 1."""
+    (``slipstream.moe.tensor_parallel``). ``DroplessMoE`` and AutoEP layers keep whole
+    experts on every TP rank: at ``ep_size`` 1 each TP rank computes every token, at
+    ``ep_size`` > 1 each computes its share of the rows (``TPTokenSplit``)."""
     tp = comm.get_world_size(tp_group)
+    split = [n for n, p in layer.expert_module.named_parameters() if tp_shard(p) is not None]
     if not isinstance(layer, MoE):
         if layer.ep_size == 1:
             return  # whole experts on every TP rank, each computing every token (as before)
-        raise ValueError(
-            f"expert parallelism (ep_size={layer.ep_size}) with tensor parallelism "
-            f"(autotp_size={tp}) in a {type(layer).__name__} layer is not supported: only "
-            "DeepSpeed's MoE layer (slipstream.moe.MoE) has the TP token split; set "
-            "tensor_parallel.autotp_size or the layer's ep_size to 1, or use slipstream.moe.MoE"
-        )
-    split = [n for n, p in layer.expert_module.named_parameters() if tp_shard(p) is not None]
+        if split:
+            raise ValueError(
+                f"{type(layer).__name__} expert parameters {split[:2]} are split over the "
+                f"tensor-parallel group (autotp_size={tp}), but with ep_size={layer.ep_size} "
+                "this layer keeps whole experts on every TP rank: leave its experts out of "
+                "the model's TP plan"
+            )
+        layer.exchange = TPTokenSplit(tp_group)
+        sum_expert_grads_over_tp_(layer.expert_module, tp_group)
+        return
     if layer.enable_expert_tensor_parallelism:
         if not split:
             raise ValueError(

@@ -19,6 +19,9 @@ on its sorted rows:
   row-parallel layer sums the partial outputs; every TP rank runs its slice of the experts on
   all the tokens, so the rows travel whole and nothing is dropped or gathered here.
 
+``DroplessMoE`` and AutoEP layers keep their grouped experts whole on every TP rank; with
+``ep_size`` > 1 they take the first form (their ``exchange`` is a :class:`TPTokenSplit`).
+
 The drop's gradient is the all-gather and the gather's gradient is the drop (each TP rank
 holds the same, replicated gradient downstream), as in DeepSpeed's mappings.
 """

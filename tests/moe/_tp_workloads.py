@@ -30,18 +30,26 @@ from torch import nn
 
 import slipstream
 from slipstream.distributed.comm import get_world_size as comm_size
-from slipstream.distributed.placement import tp_shard
+from slipstream.distributed.placement import TPShard, set_tp_shard_, tp_shard
 from slipstream.moe import MoE
 from slipstream.parallel.tensor import tp_slice
 
 DIM, HIDDEN, EXPERTS, TOKENS, STEPS, LR, CLIP = 8, 16, 4, 12, 3, 0.05, 0.1
 PREFIX = "blocks.0.moe.deepspeed_moe.experts.deepspeed_experts."
+DROPLESS_PREFIX = "blocks.0.moe.experts."  # stacked: local expert i is dim 0 index i
 
 
 class Block(nn.Module):
-    def __init__(self, ep_size: int, expert_tp: bool) -> None:
+    def __init__(self, ep_size: int, expert_tp: bool, dropless: bool = False) -> None:
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+        self.moe: nn.Module
+        if dropless:  # top-2 softmax, Switch aux loss 0.01 and z-loss in its returned loss
+            from slipstream.moe import DroplessMoE, RouterConfig
+
+            cfg = RouterConfig(k=2, z_loss_coef=1e-3)
+            self.moe = DroplessMoE(DIM, HIDDEN, EXPERTS, ep_size, cfg)
+            return
         expert = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
         self.moe = MoE(
             DIM,
@@ -57,9 +65,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, ep_size: int = 1, expert_tp: bool = False) -> None:
+    def __init__(self, ep_size: int = 1, expert_tp: bool = False, dropless: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(ep_size, expert_tp)])
+        self.blocks = nn.ModuleList([Block(ep_size, expert_tp, dropless)])
         self.head = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -69,9 +77,9 @@ class Net(nn.Module):
         return ((self.head(h + m) - y) ** 2).mean() + 0.01 * l_aux
 
 
-def reference() -> Net:
+def reference(dropless: bool = False) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(dropless=dropless)
 
 
 def _global(name: str, ep_rank: int, ep_size: int) -> str | None:
@@ -82,14 +90,32 @@ def _global(name: str, ep_rank: int, ep_size: int) -> str | None:
     return f"{PREFIX}{int(lid) + ep_rank * (EXPERTS // ep_size)}.{rest}"
 
 
-def local_copy(ref: Net, ep_size: int, ep_rank: int, expert_tp: bool) -> Net:
+def local_copy(
+    ref: Net, ep_size: int, ep_rank: int, expert_tp: bool, dropless: bool = False
+) -> Net:
     """The ``ep_size`` model of expert-parallel rank ``ep_rank`` with ``ref``'s weights."""
-    net = Net(ep_size, expert_tp)
+    net = Net(ep_size, expert_tp, dropless)
     full = ref.state_dict()
+    if dropless:
+        net.load_state_dict(
+            {n: local_experts(full, n, ep_rank, ep_size).clone() for n in net.state_dict()}
+        )
+        return net
     net.load_state_dict(
         {n: full[str(_global(n, ep_rank, ep_size))].clone() for n in net.state_dict()}
     )
     return net
+
+
+def local_experts(
+    full: dict[str, torch.Tensor], name: str, ep_rank: int, ep_size: int
+) -> torch.Tensor:
+    """Dropless layout: the one-process tensor ``name``, cut to expert-parallel rank
+    ``ep_rank``'s experts (dim 0) when it is a stacked expert weight."""
+    if not name.startswith(DROPLESS_PREFIX):
+        return full[name]
+    local = EXPERTS // ep_size
+    return full[name][ep_rank * local : (ep_rank + 1) * local]
 
 
 def batches(shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -101,9 +127,9 @@ def batches(shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def reference_run(shards: int) -> dict[str, Any]:
+def reference_run(shards: int, dropless: bool = False) -> dict[str, Any]:
     """One process: each step averages the shards' losses (what data parallelism computes)."""
-    net = reference()
+    net = reference(dropless)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     data = [batches(s) for s in range(shards)]
     out: dict[str, Any] = {"losses": [], "norms": []}
@@ -129,25 +155,37 @@ def _config(stage: int, tp: int, bf16: bool = False) -> dict[str, Any]:
     }
 
 
-def _params(engine: Any, ep_rank: int, ep_size: int) -> dict[str, tuple[torch.Tensor, Any]]:
-    """This rank's parameters by one-process name, with their TP slice record."""
+def _params(
+    engine: Any, ep_rank: int, ep_size: int, dropless: bool = False
+) -> dict[str, tuple[torch.Tensor, Any]]:
+    """This rank's parameters by one-process name, with their TP slice record (dropless
+    layout: the names are the one-process ones, the stacked experts this rank's slice)."""
     with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
         return {
-            str(_global(n, ep_rank, ep_size)): (p.detach().float().clone(), tp_shard(p))
+            (n if dropless else str(_global(n, ep_rank, ep_size))): (
+                p.detach().float().clone(),
+                tp_shard(p),
+            )
             for n, p in engine.module.named_parameters()
         }
 
 
 def _train(
-    tp: int, ep: int, expert_tp: bool, stage: int, ckpt: str | None, bf16: bool = False
+    tp: int,
+    ep: int,
+    expert_tp: bool,
+    stage: int,
+    ckpt: str | None,
+    bf16: bool = False,
+    dropless: bool = False,
 ) -> dict[str, Any]:
     rank = dist.get_rank()
     dp_rank, ep_rank = rank // tp, (rank // tp) % ep
-    net = local_copy(reference(), ep, ep_rank, expert_tp)
+    net = local_copy(reference(dropless), ep, ep_rank, expert_tp, dropless)
     engine, _, _, _ = slipstream.initialize(
         model=net, model_parameters=net.parameters(), config=_config(stage, tp, bf16)
     )
-    res: dict[str, Any] = {"losses": [], "norms": [], "dp_rank": dp_rank}
+    res: dict[str, Any] = {"losses": [], "norms": [], "dp_rank": dp_rank, "ep_rank": ep_rank}
     dtype = torch.bfloat16 if bf16 else torch.float32
     for x, y in batches(dp_rank):
         loss = engine(x.to(dtype), y.to(dtype))
@@ -155,11 +193,13 @@ def _train(
         engine.step()
         res["losses"].append(float(loss))
         res["norms"].append(engine.get_global_grad_norm())
-    res["params"] = _params(engine, ep_rank, ep)
+    res["params"] = _params(engine, ep_rank, ep, dropless)
+    experts = DROPLESS_PREFIX if dropless else PREFIX
     res["expert_split"] = any(
-        tp_shard(p) is not None for n, p in engine.module.named_parameters() if PREFIX in n
+        tp_shard(p) is not None for n, p in engine.module.named_parameters() if experts in n
     )
-    exchange = engine.module.blocks[0].moe.deepspeed_moe.exchange
+    moe = engine.module.blocks[0].moe
+    exchange = moe.exchange if dropless else moe.deepspeed_moe.exchange
     res["exchange"] = getattr(exchange, "__name__", type(exchange).__name__)
     res["edp"] = sorted(
         {comm_size(b.expert.edp_group) for b in engine.optimizer.buckets if b.expert is not None}
@@ -193,7 +233,8 @@ def _error(fn: Any) -> str:
 
 def refusals() -> dict[str, str]:
     """What is refused, by message: an ep_size not dividing data x sequence parallel ranks;
-    expert TP asked for but the experts left whole; a dropless layer under tensor parallelism."""
+    expert TP asked for but the experts left whole; a dropless layer of ep_size 2 whose
+    experts a TP plan split."""
     from slipstream.distributed.expert import expert_groups
     from slipstream.distributed.mesh import ParallelDims, build_mesh
     from slipstream.moe import DroplessMoE, expert_parallel_
@@ -201,6 +242,8 @@ def refusals() -> dict[str, str]:
     tp_mesh = build_mesh(ParallelDims(world_size=4, tp=2))
     sp_mesh = build_mesh(ParallelDims(world_size=4, sp=2))
     dropless = nn.Sequential(DroplessMoE(DIM, HIDDEN, EXPERTS, 2))
+    # Its grouped experts are whole on every TP rank (TPTokenSplit); a plan that split them:
+    set_tp_shard_(dropless[0].experts.w1, TPShard(dim=2, parts=1, rank=dist.get_rank() % 2, size=2))
     return {
         "sp": _error(lambda: expert_groups(sp_mesh, 3)),
         "unsplit": _error(lambda: expert_parallel_(Net(2, True), tp_mesh)),
@@ -221,6 +264,8 @@ def world(tmp: str) -> dict[str, Any]:
     for expert_tp in (False, True):
         out[f"tp2_ep2_z3_{expert_tp}"] = _train(2, 2, expert_tp, 3, None)
     out["tp2_ep2_bf16"] = _train(2, 2, False, 2, None, bf16=True)
+    out["ref_dropless"] = reference_run(2, dropless=True)
+    out["dropless_tp2_ep2"] = _train(2, 2, False, 1, None, dropless=True)
     out["ep2_edp2"] = _train(1, 2, False, 2, None)
     out["ref_sp"] = sp_reference()
     out["ep2_sp2_z0"] = sp_train(0, None)  # whole expert gradients: norm summed over ep

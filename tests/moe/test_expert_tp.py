@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from slipstream.parallel.tensor import tp_slice
 from tests.distributed.harness import run_world
 from tests.moe import _tp_workloads as w
 
@@ -69,6 +70,27 @@ def test_tp2_ep2_bf16_zero2_within_bf16_rounding(ranks: list[dict[str, Any]]) ->
         run = res["tp2_ep2_bf16"]
         assert run["exchange"] == "TPTokenSplit"
         _check(run, res["ref_tp"], BF16_TOL)
+
+
+def test_dropless_tp2_ep2_equals_one_process(ranks: list[dict[str, Any]]) -> None:
+    """DroplessMoE with ep_size 2 under tp 2 (ZeRO-1): whole grouped experts on both TP
+    ranks, each computing its half of every expert's rows (TPTokenSplit), expert gradients
+    summed over TP; losses, norms and every rank's parameters equal one process."""
+    for res in ranks:
+        run, ref = res["dropless_tp2_ep2"], res["ref_dropless"]
+        assert run["expert_split"] is False
+        assert run["exchange"] == "TPTokenSplit"
+        assert run["edp"] == [1]
+        for step in range(w.STEPS):
+            assert run["losses"][step] == pytest.approx(
+                ref["losses"][step][run["dp_rank"]], rel=1e-5
+            )
+            assert run["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-5)
+        assert ref["norms"][0] > w.CLIP
+        assert run["params"].keys() == ref["params"].keys()
+        for name, (p, shard) in run["params"].items():
+            want = w.local_experts(ref["params"], name, run["ep_rank"], 2)
+            torch.testing.assert_close(p, want if shard is None else tp_slice(want, shard), **TOL)
 
 
 @pytest.mark.parametrize("expert_tp", [False, True])
@@ -143,10 +165,15 @@ def test_tp_pieces_split_every_expert_evenly() -> None:
 
 
 def test_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
-    """An ep_size not dividing the dp x sp ranks, expert TP with experts the TP plan left whole, and a
-    dropless layer of ep_size 2 under tensor parallelism are refused, naming the setting to change."""
+    """An ep_size not dividing the dp x sp ranks, expert TP with experts the TP plan left whole,
+    and a dropless layer of ep_size 2 whose experts a TP plan split are refused, naming the
+    setting to change."""
     for res in ranks:
         msg = res["refusals"]
         assert "ep_size=3 must divide the data-parallel size 4 (data x sequence" in msg["sp"]
         assert "enable_expert_tensor_parallelism=True but no expert parameter" in msg["unsplit"]
-        assert "in a DroplessMoE layer is not supported" in msg["dropless"]
+        assert (
+            "DroplessMoE expert parameters ['w1'] are split over the tensor-parallel"
+            in (msg["dropless"])
+        )
+        assert "with ep_size=2 this layer keeps whole experts" in msg["dropless"]
