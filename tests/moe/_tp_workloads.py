@@ -9,6 +9,8 @@ head. In the world of 4 gloo ranks:
   computes half of the rows, gradients summed over TP), with it True they are split
   column/row-wise like the dense MLP; both at ZeRO-3 too, and the replicated layout at
   ZeRO-2 in bf16;
+- ``tp 2 x ep 2`` with a ``DroplessMoE`` layer and with an AutoEP block (stacked experts,
+  whole on both TP ranks, each computing half of every expert's rows);
 - ``ep 2, edp 2`` (dp 4, tp 1): 4 experts, two ranks per expert group, at ZeRO-2.
 - ``pp 2 x dp 2``: a ``PipelineModule`` whose first stage holds an ``ep_size`` 2 layer;
 - ``sp 2 x dp 2`` with ``ep 2``: the reference GPT (Ulysses attention, one ``MoE`` block) whose
@@ -39,16 +41,39 @@ PREFIX = "blocks.0.moe.deepspeed_moe.experts.deepspeed_experts."
 DROPLESS_PREFIX = "blocks.0.moe.experts."  # stacked: local expert i is dim 0 index i
 
 
+class AutoEPBlock(nn.Module):
+    """A converted Hugging Face MoE block in small: a top-2 softmax router (renormalised
+    weights) and ``AutoEPExperts`` (SwiGLU, stacked ``gate_up_proj`` / ``down_proj``)."""
+
+    def __init__(self, ep_size: int) -> None:
+        super().__init__()
+        from slipstream.moe.autoep import AutoEPExperts
+
+        self.gate = nn.Linear(DIM, EXPERTS, bias=False)
+        gate_up = torch.randn(EXPERTS, 2 * HIDDEN, DIM) * DIM**-0.5
+        down = torch.randn(EXPERTS, DIM, HIDDEN) * HIDDEN**-0.5
+        # Every rank keeps its slice of expert-parallel rank 0's; local_copy loads its own.
+        self.experts = AutoEPExperts(gate_up, down, nn.functional.silu, EXPERTS, ep_size, 0)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        weights, idx = self.gate(h).softmax(-1).topk(2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return self.experts(h, idx, weights), h.new_zeros(()), None
+
+
 class Block(nn.Module):
-    def __init__(self, ep_size: int, expert_tp: bool, dropless: bool = False) -> None:
+    def __init__(self, ep_size: int, expert_tp: bool, kind: str = "moe") -> None:
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
         self.moe: nn.Module
-        if dropless:  # top-2 softmax, Switch aux loss 0.01 and z-loss in its returned loss
+        if kind == "dropless":  # top-2 softmax, Switch aux loss 0.01 and z-loss in its loss
             from slipstream.moe import DroplessMoE, RouterConfig
 
             cfg = RouterConfig(k=2, z_loss_coef=1e-3)
             self.moe = DroplessMoE(DIM, HIDDEN, EXPERTS, ep_size, cfg)
+            return
+        if kind == "autoep":
+            self.moe = AutoEPBlock(ep_size)
             return
         expert = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
         self.moe = MoE(
@@ -65,9 +90,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, ep_size: int = 1, expert_tp: bool = False, dropless: bool = False) -> None:
+    def __init__(self, ep_size: int = 1, expert_tp: bool = False, kind: str = "moe") -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(ep_size, expert_tp, dropless)])
+        self.blocks = nn.ModuleList([Block(ep_size, expert_tp, kind)])
         self.head = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -77,9 +102,9 @@ class Net(nn.Module):
         return ((self.head(h + m) - y) ** 2).mean() + 0.01 * l_aux
 
 
-def reference(dropless: bool = False) -> Net:
+def reference(kind: str = "moe") -> Net:
     torch.manual_seed(0)
-    return Net(dropless=dropless)
+    return Net(kind=kind)
 
 
 def _global(name: str, ep_rank: int, ep_size: int) -> str | None:
@@ -90,13 +115,11 @@ def _global(name: str, ep_rank: int, ep_size: int) -> str | None:
     return f"{PREFIX}{int(lid) + ep_rank * (EXPERTS // ep_size)}.{rest}"
 
 
-def local_copy(
-    ref: Net, ep_size: int, ep_rank: int, expert_tp: bool, dropless: bool = False
-) -> Net:
+def local_copy(ref: Net, ep_size: int, ep_rank: int, expert_tp: bool, kind: str = "moe") -> Net:
     """The ``ep_size`` model of expert-parallel rank ``ep_rank`` with ``ref``'s weights."""
-    net = Net(ep_size, expert_tp, dropless)
+    net = Net(ep_size, expert_tp, kind)
     full = ref.state_dict()
-    if dropless:
+    if kind != "moe":  # stacked experts
         net.load_state_dict(
             {n: local_experts(full, n, ep_rank, ep_size).clone() for n in net.state_dict()}
         )
@@ -127,9 +150,9 @@ def batches(shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def reference_run(shards: int, dropless: bool = False) -> dict[str, Any]:
+def reference_run(shards: int, kind: str = "moe") -> dict[str, Any]:
     """One process: each step averages the shards' losses (what data parallelism computes)."""
-    net = reference(dropless)
+    net = reference(kind)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     data = [batches(s) for s in range(shards)]
     out: dict[str, Any] = {"losses": [], "norms": []}
@@ -156,13 +179,13 @@ def _config(stage: int, tp: int, bf16: bool = False) -> dict[str, Any]:
 
 
 def _params(
-    engine: Any, ep_rank: int, ep_size: int, dropless: bool = False
+    engine: Any, ep_rank: int, ep_size: int, stacked: bool = False
 ) -> dict[str, tuple[torch.Tensor, Any]]:
-    """This rank's parameters by one-process name, with their TP slice record (dropless
-    layout: the names are the one-process ones, the stacked experts this rank's slice)."""
+    """This rank's parameters by one-process name, with their TP slice record (``stacked``
+    experts: the names are the one-process ones, the stacked experts this rank's slice)."""
     with slipstream.zero.GatheredParameters(list(engine.module.parameters())):
         return {
-            (n if dropless else str(_global(n, ep_rank, ep_size))): (
+            (n if stacked else str(_global(n, ep_rank, ep_size))): (
                 p.detach().float().clone(),
                 tp_shard(p),
             )
@@ -177,11 +200,11 @@ def _train(
     stage: int,
     ckpt: str | None,
     bf16: bool = False,
-    dropless: bool = False,
+    kind: str = "moe",
 ) -> dict[str, Any]:
     rank = dist.get_rank()
     dp_rank, ep_rank = rank // tp, (rank // tp) % ep
-    net = local_copy(reference(dropless), ep, ep_rank, expert_tp, dropless)
+    net = local_copy(reference(kind), ep, ep_rank, expert_tp, kind)
     engine, _, _, _ = slipstream.initialize(
         model=net, model_parameters=net.parameters(), config=_config(stage, tp, bf16)
     )
@@ -193,13 +216,15 @@ def _train(
         engine.step()
         res["losses"].append(float(loss))
         res["norms"].append(engine.get_global_grad_norm())
-    res["params"] = _params(engine, ep_rank, ep, dropless)
-    experts = DROPLESS_PREFIX if dropless else PREFIX
+    stacked = kind != "moe"
+    res["params"] = _params(engine, ep_rank, ep, stacked)
+    experts = DROPLESS_PREFIX if stacked else PREFIX
     res["expert_split"] = any(
         tp_shard(p) is not None for n, p in engine.module.named_parameters() if experts in n
     )
     moe = engine.module.blocks[0].moe
-    exchange = moe.exchange if dropless else moe.deepspeed_moe.exchange
+    layer = moe.experts if kind == "autoep" else moe
+    exchange = layer.exchange if stacked else moe.deepspeed_moe.exchange
     res["exchange"] = getattr(exchange, "__name__", type(exchange).__name__)
     res["edp"] = sorted(
         {comm_size(b.expert.edp_group) for b in engine.optimizer.buckets if b.expert is not None}
@@ -264,8 +289,9 @@ def world(tmp: str) -> dict[str, Any]:
     for expert_tp in (False, True):
         out[f"tp2_ep2_z3_{expert_tp}"] = _train(2, 2, expert_tp, 3, None)
     out["tp2_ep2_bf16"] = _train(2, 2, False, 2, None, bf16=True)
-    out["ref_dropless"] = reference_run(2, dropless=True)
-    out["dropless_tp2_ep2"] = _train(2, 2, False, 1, None, dropless=True)
+    for kind in ("dropless", "autoep"):
+        out[f"ref_{kind}"] = reference_run(2, kind)
+        out[f"{kind}_tp2_ep2"] = _train(2, 2, False, 1, None, kind=kind)
     out["ep2_edp2"] = _train(1, 2, False, 2, None)
     out["ref_sp"] = sp_reference()
     out["ep2_sp2_z0"] = sp_train(0, None)  # whole expert gradients: norm summed over ep

@@ -1,9 +1,10 @@
 """Expert parallelism with tensor parallelism (tp 2 x ep 2, experts replicated over TP or split
-by expert TP; ZeRO-0/1 and ZeRO-3, and bf16 ZeRO-2 within bf16 rounding) and 4-rank expert splitting (ep 2, edp 2, ZeRO-2) on 4 gloo ranks equal one
-process on the same global batch: losses, clipped global gradient norms, parameters after 3
-steps; the tp 2 x ep 2 checkpoint loads into a tp 2 x ep 1 engine; ep 2 over sp 2 x dp 2 (the
-reference GPT, Ulysses) equals one process too; what is refused is refused by name (pipelines
-with ep_size 2: test_pipeline_ep.py)."""
+by expert TP; ZeRO-0/1 and ZeRO-3, and bf16 ZeRO-2 within bf16 rounding; DroplessMoE and an
+AutoEP block with the TP token split) and 4-rank expert splitting (ep 2, edp 2, ZeRO-2) on 4
+gloo ranks equal one process on the same global batch: losses, clipped global gradient norms,
+parameters after 3 steps; the tp 2 x ep 2 checkpoint loads into a tp 2 x ep 1 engine; ep 2
+over sp 2 x dp 2 (the reference GPT, Ulysses) equals one process too; what is refused is
+refused by name (pipelines with ep_size 2: test_pipeline_ep.py)."""
 
 from __future__ import annotations
 
@@ -72,12 +73,14 @@ def test_tp2_ep2_bf16_zero2_within_bf16_rounding(ranks: list[dict[str, Any]]) ->
         _check(run, res["ref_tp"], BF16_TOL)
 
 
-def test_dropless_tp2_ep2_equals_one_process(ranks: list[dict[str, Any]]) -> None:
-    """DroplessMoE with ep_size 2 under tp 2 (ZeRO-1): whole grouped experts on both TP
-    ranks, each computing its half of every expert's rows (TPTokenSplit), expert gradients
-    summed over TP; losses, norms and every rank's parameters equal one process."""
+@pytest.mark.parametrize("kind", ["dropless", "autoep"])
+def test_stacked_experts_tp2_ep2_equals_one_process(ranks: list[dict[str, Any]], kind: str) -> None:
+    """DroplessMoE, and an AutoEP block, with ep_size 2 under tp 2 (ZeRO-1): whole stacked
+    experts on both TP ranks, each computing its half of every expert's rows (TPTokenSplit),
+    expert gradients summed over TP; losses, norms and every rank's parameters equal one
+    process."""
     for res in ranks:
-        run, ref = res["dropless_tp2_ep2"], res["ref_dropless"]
+        run, ref = res[f"{kind}_tp2_ep2"], res[f"ref_{kind}"]
         assert run["expert_split"] is False
         assert run["exchange"] == "TPTokenSplit"
         assert run["edp"] == [1]
