@@ -149,13 +149,29 @@ def run_local_experts(experts: nn.Module, rows: Tensor, counts: list[int]) -> Te
 
 
 def exchange_and_run(
-    experts: nn.Module, rows: Tensor, counts: Tensor, ep_size: int, group: comm.Group
+    experts: nn.Module,
+    rows: Tensor,
+    counts: Tensor,
+    ep_size: int,
+    group: comm.Group,
+    tp_group: comm.Group = None,
 ) -> Tensor:
     """Send ``rows`` (sorted by global expert, ``counts [experts]``) to the expert owners,
-    run the local experts, and bring the results back in the same row order."""
+    run the local experts, and bring the results back in the same row order.
+
+    ``tp_group``: the experts are split over this tensor-parallel group (expert TP) and
+    ``rows`` are the same on its ranks. With ``ep_size`` > 1 each TP rank then sends only
+    its share of the rows (``slipstream.moe.tensor_parallel.tp_pieces``), and the received
+    rows are all-gathered over TP before the split experts run on them; the way back is the
+    reverse. The all-to-alls carry ``1/tp`` of the rows.
+    """
     local = counts.numel() // ep_size
     if ep_size == 1:
         return run_local_experts(experts, rows, counts.tolist())
+    if tp_group is not None and comm.get_world_size(tp_group) > 1:
+        from slipstream.moe.tensor_parallel import exchange_split_experts
+
+        return exchange_split_experts(experts, rows, counts, ep_size, group, tp_group)
     sent = counts.reshape(ep_size, local)
     got = torch.empty_like(sent)
     comm.all_to_all_single(got, sent.contiguous(), group=group, label="moe_counts")
@@ -205,6 +221,9 @@ class MOELayer(nn.Module):
         # Set by ``expert_parallel_`` under tensor parallelism with TP-replicated experts
         # (``slipstream.moe.tensor_parallel.TPTokenSplit``): how the rows reach the experts.
         self.exchange: Callable[..., Tensor] = exchange_and_run
+        # Set by ``expert_parallel_`` for expert tensor parallelism: the TP group the experts
+        # are split over (``exchange_and_run`` then sends each row once per TP group).
+        self.expert_tp_group: comm.Group = None
 
     def _set_ep_group(self, ep_group: comm.Group) -> None:
         self.ep_group = ep_group
@@ -227,7 +246,12 @@ class MOELayer(nn.Module):
         routes: Routes = self.gate.routes(flat, used_token)  # type: ignore[operator]
         g = group_by_expert(routes.experts, routes.weights, routes.num_experts)
         rows = gather_tokens(flat, g)
-        out = self.exchange(self.experts, rows, g.counts, self.ep_size, self.ep_group)
+        if self.expert_tp_group is not None:
+            out = self.exchange(
+                self.experts, rows, g.counts, self.ep_size, self.ep_group, self.expert_tp_group
+            )
+        else:
+            out = self.exchange(self.experts, rows, g.counts, self.ep_size, self.ep_group)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         self.stats = RoutingStats.of(routes.exp_counts, g.counts)
         return combine(out, g, flat.shape[0], x.dtype).reshape(x.shape)

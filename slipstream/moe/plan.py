@@ -128,7 +128,10 @@ def _tensor_parallel_(layer: MoE | DroplessMoE | AutoEPExperts, tp_group: comm.G
                 "(its tp_plan method) must give each expert's linear layers the 'colwise' and "
                 "'rowwise' styles, or leave the model to the automatic plan"
             )
-        return  # the split experts' own collectives handle the TP group; rows travel whole
+        # The split experts' own collectives handle the TP group; each row goes through the
+        # expert all-to-all once per TP group and is all-gathered over TP around the experts.
+        layer.deepspeed_moe.expert_tp_group = tp_group
+        return
     if split:
         raise ValueError(
             f"MoE expert parameters {split[:2]} are split over the tensor-parallel group but "

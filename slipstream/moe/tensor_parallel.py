@@ -17,7 +17,11 @@ on its sorted rows:
 - **expert tensor parallelism** (``enable_expert_tensor_parallelism=True``): each expert's
   MLP is split column/row-wise over the TP group like the dense MLP (by the TP plan), and its
   row-parallel layer sums the partial outputs; every TP rank runs its slice of the experts on
-  all the tokens, so the rows travel whole and nothing is dropped or gathered here.
+  all the tokens. With ``ep_size`` > 1 (:func:`exchange_split_experts`) TP rank ``r`` still
+  sends only its pieces through the all-to-all; the receiving ranks all-gather what their TP
+  group received, run their expert slices on all of it, keep their own received rows of the
+  outputs and send those back, and the returned pieces are all-gathered over TP. The
+  all-to-all volume drops by ``tp``; the expert work per rank does not.
 
 ``DroplessMoE`` and AutoEP layers keep their grouped experts whole on every TP rank; with
 ``ep_size`` > 1 they take the first form (their ``exchange`` is a :class:`TPTokenSplit`).
@@ -34,9 +38,14 @@ import torch
 from torch import Tensor, nn
 
 from slipstream.distributed import comm
-from slipstream.moe.dispatch import exchange_and_run
+from slipstream.moe.dispatch import (
+    _blocks_in_order,
+    all_to_all_uneven,
+    exchange_and_run,
+    run_local_experts,
+)
 
-__all__ = ["TPTokenSplit", "sum_expert_grads_over_tp_", "tp_pieces"]
+__all__ = ["TPTokenSplit", "exchange_split_experts", "sum_expert_grads_over_tp_", "tp_pieces"]
 
 
 def tp_pieces(counts: Tensor, tp_size: int) -> list[Tensor]:
@@ -125,6 +134,59 @@ class TPTokenSplit:
         out = exchange_and_run(experts, piece, mine, ep_size, group)
         full: Tensor = _GatherRows.apply(out, pieces, self.tp_group)
         return full
+
+
+def exchange_split_experts(
+    experts: nn.Module,
+    rows: Tensor,
+    counts: Tensor,
+    ep_size: int,
+    group: comm.Group,
+    tp_group: comm.Group,
+) -> Tensor:
+    """``exchange_and_run`` for experts split over ``tp_group`` (expert TP), ``ep_size`` > 1.
+
+    ``rows`` (sorted by global expert, ``counts [experts]``) are the same on every TP rank.
+    Rank ``r`` sends its :func:`tp_pieces` share through the expert-parallel all-to-all; the
+    rows its TP group received are all-gathered (in TP-rank, source-rank, local-expert order)
+    so each expert slice sees all of them; rank ``r`` keeps its received rows of the outputs,
+    sends them back, and the pieces are all-gathered over TP into the full row order.
+
+    Communication per layer and direction: two all-to-alls over the expert-parallel group with
+    ``1/tp`` of the rows, two all-gathers over the TP group (padded to the largest share), and
+    one small all-gather of the received counts.
+    """
+    tp_size, tp_rank = comm.get_world_size(tp_group), comm.get_rank(tp_group)
+    num = counts.numel()
+    local = num // ep_size
+    pieces = tp_pieces(counts, tp_size)
+    expert = torch.repeat_interleave(torch.arange(num, device=rows.device), counts)
+    sent = torch.bincount(expert[pieces[tp_rank]], minlength=num).reshape(ep_size, local)
+    got = torch.empty_like(sent)
+    comm.all_to_all_single(got, sent.contiguous(), group=group, label="moe_counts")
+    every = got.new_empty((tp_size * ep_size * local,))
+    comm.all_gather_into_tensor(every, got.reshape(-1), group=tp_group, label="moe_tp_counts")
+    sizes: list[list[int]] = every.reshape(tp_size * ep_size, local).tolist()
+    send = sent.sum(1).tolist()
+    recv = [sum(row) for row in sizes[tp_rank * ep_size : (tp_rank + 1) * ep_size]]
+    piece = _DropRows.apply(rows, pieces, tp_group)
+    received = all_to_all_uneven(piece, send, recv, group)
+    # Where each TP rank's received rows sit in the gathered rows: one block per TP rank.
+    totals = [
+        sum(sum(row) for row in sizes[r * ep_size : (r + 1) * ep_size]) for r in range(tp_size)
+    ]
+    starts = [sum(totals[:r]) for r in range(tp_size)]
+    blocks = [
+        torch.arange(starts[r], starts[r] + totals[r], device=rows.device) for r in range(tp_size)
+    ]
+    gathered = _GatherRows.apply(received, blocks, tp_group)
+    # (TP rank, source rank, local expert) order to (local expert, ...) and back.
+    per_expert = [sum(row[e] for row in sizes) for e in range(local)]
+    out = run_local_experts(experts, _blocks_in_order(gathered, sizes, True), per_expert)
+    out = _DropRows.apply(_blocks_in_order(out, sizes, False), blocks, tp_group)
+    back = all_to_all_uneven(out, recv, send, group)
+    full: Tensor = _GatherRows.apply(back, pieces, tp_group)
+    return full
 
 
 def sum_expert_grads_over_tp_(experts: nn.Module, tp_group: comm.Group) -> None:

@@ -235,6 +235,47 @@ def _train(
     return res
 
 
+def a2a_rows() -> dict[str, Any]:
+    """tp 2 x ep 2 with expert TP: one forward and backward with each TP rank sending its
+    share of the rows (the default), then with every row sent whole on every TP rank (the
+    layer's TP group unset); the rows each expert all-to-all sent, the losses and the local
+    gradients of both."""
+    from slipstream.distributed import comm
+
+    rank = dist.get_rank()
+    dp_rank, ep_rank = rank // 2, (rank // 2) % 2
+    net = local_copy(reference(), 2, ep_rank, True)
+    engine, _, _, _ = slipstream.initialize(
+        model=net, model_parameters=net.parameters(), config=_config(0, 2)
+    )
+    layer = engine.module.blocks[0].moe.deepspeed_moe
+    real = comm.all_to_all_single
+    sent: list[int] = []
+
+    def counting(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("label") == "moe_a2a":
+            sent.append(int(input.shape[0]))
+        return real(output, input, *args, **kwargs)
+
+    res: dict[str, Any] = {}
+    x, y = batches(dp_rank)[0]
+    comm.all_to_all_single = counting  # type: ignore[assignment]
+    try:
+        for name in ("shared", "whole"):
+            if name == "whole":
+                layer.expert_tp_group = None
+            sent.clear()
+            loss = engine.module(x, y)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
+            engine.module.zero_grad(set_to_none=True)
+            res[name] = {"rows": list(sent), "loss": float(loss), "grads": grads}
+    finally:
+        comm.all_to_all_single = real  # type: ignore[assignment]
+    engine.destroy()
+    return res
+
+
 def _reload(ckpt: str, expert_tp: bool, tp: int = 2) -> dict[str, Any]:
     """The tp 2 x ep 2 checkpoint into a tp ``tp`` x ep 1 engine: every expert on every rank
     (at tp 1 the experts' TP slices, with expert TP, are joined from the saved layout)."""
@@ -289,6 +330,7 @@ def world(tmp: str) -> dict[str, Any]:
     for expert_tp in (False, True):
         out[f"tp2_ep2_z3_{expert_tp}"] = _train(2, 2, expert_tp, 3, None)
     out["tp2_ep2_bf16"] = _train(2, 2, False, 2, None, bf16=True)
+    out["a2a_rows"] = a2a_rows()
     for kind in ("dropless", "autoep"):
         out[f"ref_{kind}"] = reference_run(2, kind)
         out[f"{kind}_tp2_ep2"] = _train(2, 2, False, 1, None, kind=kind)

@@ -64,6 +64,25 @@ def test_tp2_ep2_zero3_equals_one_process(ranks: list[dict[str, Any]], expert_tp
         _check(run, res["ref_tp"])
 
 
+def test_expert_tp_all_to_all_carries_one_tp_share(ranks: list[dict[str, Any]]) -> None:
+    """Expert TP at tp 2 x ep 2: each TP rank sends half of the rows it sent whole before
+    (forward and backward all-to-alls), the two TP ranks' shares add up to the whole rows,
+    and the loss and every local gradient equal those of the whole-row exchange."""
+    for rank, res in enumerate(ranks):
+        run = res["a2a_rows"]
+        shared, whole = run["shared"], run["whole"]
+        peer = ranks[rank ^ 1]["a2a_rows"]["shared"]  # the other TP rank (tp innermost)
+        assert len(shared["rows"]) == len(whole["rows"]) == 4  # 2 forward, 2 backward
+        assert sum(whole["rows"]) > 0
+        for mine, theirs, full in zip(shared["rows"], peer["rows"], whole["rows"], strict=True):
+            assert mine + theirs == full
+            assert abs(2 * mine - full) <= w.EXPERTS  # each expert's block split near evenly
+        assert shared["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+        assert shared["grads"].keys() == whole["grads"].keys()
+        for name, g in shared["grads"].items():
+            torch.testing.assert_close(g, whole["grads"][name], **TOL)
+
+
 def test_tp2_ep2_bf16_zero2_within_bf16_rounding(ranks: list[dict[str, Any]]) -> None:
     """tp 2 x ep 2, experts replicated over TP, ZeRO-2 in bf16 (fp32 master weights): losses,
     norms and parameters within bf16 rounding of the fp32 one-process run."""
