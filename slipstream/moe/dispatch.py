@@ -30,12 +30,14 @@ from torch import Tensor, nn
 
 from slipstream.distributed import comm
 from slipstream.moe.gating import Routes
+from slipstream.moe.tp_rows import DropRows, GatherRows, tp_pieces
 
 __all__ = [
     "MOELayer",
     "RoutingStats",
     "all_to_all_uneven",
     "combine",
+    "exchange_split_experts",
     "gather_tokens",
     "group_by_expert",
 ]
@@ -161,7 +163,7 @@ def exchange_and_run(
 
     ``tp_group``: the experts are split over this tensor-parallel group (expert TP) and
     ``rows`` are the same on its ranks. With ``ep_size`` > 1 each TP rank then sends only
-    its share of the rows (``slipstream.moe.tensor_parallel.tp_pieces``), and the received
+    its share of the rows (``slipstream.moe.tp_rows.tp_pieces``), and the received
     rows are all-gathered over TP before the split experts run on them; the way back is the
     reverse. The all-to-alls carry ``1/tp`` of the rows.
     """
@@ -169,8 +171,6 @@ def exchange_and_run(
     if ep_size == 1:
         return run_local_experts(experts, rows, counts.tolist())
     if tp_group is not None and comm.get_world_size(tp_group) > 1:
-        from slipstream.moe.tensor_parallel import exchange_split_experts
-
         return exchange_split_experts(experts, rows, counts, ep_size, group, tp_group)
     sent = counts.reshape(ep_size, local)
     got = torch.empty_like(sent)
@@ -182,6 +182,59 @@ def exchange_and_run(
     per_expert = [sum(row[e] for row in sizes) for e in range(local)]
     out = run_local_experts(experts, _blocks_in_order(received, sizes, True), per_expert)
     return all_to_all_uneven(_blocks_in_order(out, sizes, False), recv, send, group)
+
+
+def exchange_split_experts(
+    experts: nn.Module,
+    rows: Tensor,
+    counts: Tensor,
+    ep_size: int,
+    group: comm.Group,
+    tp_group: comm.Group,
+) -> Tensor:
+    """``exchange_and_run`` for experts split over ``tp_group`` (expert TP), ``ep_size`` > 1.
+
+    ``rows`` (sorted by global expert, ``counts [experts]``) are the same on every TP rank.
+    Rank ``r`` sends its ``tp_pieces`` share through the expert-parallel all-to-all; the
+    rows its TP group received are all-gathered (in TP-rank, source-rank, local-expert order)
+    so each expert slice sees all of them; rank ``r`` keeps its received rows of the outputs,
+    sends them back, and the pieces are all-gathered over TP into the full row order.
+
+    Communication per layer and direction: two all-to-alls over the expert-parallel group with
+    ``1/tp`` of the rows, two all-gathers over the TP group (padded to the largest share), and
+    one small all-gather of the received counts.
+    """
+    tp_size, tp_rank = comm.get_world_size(tp_group), comm.get_rank(tp_group)
+    num = counts.numel()
+    local = num // ep_size
+    pieces = tp_pieces(counts, tp_size)
+    expert = torch.repeat_interleave(torch.arange(num, device=rows.device), counts)
+    sent = torch.bincount(expert[pieces[tp_rank]], minlength=num).reshape(ep_size, local)
+    got = torch.empty_like(sent)
+    comm.all_to_all_single(got, sent.contiguous(), group=group, label="moe_counts")
+    every = got.new_empty((tp_size * ep_size * local,))
+    comm.all_gather_into_tensor(every, got.reshape(-1), group=tp_group, label="moe_tp_counts")
+    sizes: list[list[int]] = every.reshape(tp_size * ep_size, local).tolist()
+    send = sent.sum(1).tolist()
+    recv = [sum(row) for row in sizes[tp_rank * ep_size : (tp_rank + 1) * ep_size]]
+    piece = DropRows.apply(rows, pieces, tp_group)
+    received = all_to_all_uneven(piece, send, recv, group)
+    # Where each TP rank's received rows sit in the gathered rows: one block per TP rank.
+    totals = [
+        sum(sum(row) for row in sizes[r * ep_size : (r + 1) * ep_size]) for r in range(tp_size)
+    ]
+    starts = [sum(totals[:r]) for r in range(tp_size)]
+    blocks = [
+        torch.arange(starts[r], starts[r] + totals[r], device=rows.device) for r in range(tp_size)
+    ]
+    gathered = GatherRows.apply(received, blocks, tp_group)
+    # (TP rank, source rank, local expert) order to (local expert, ...) and back.
+    per_expert = [sum(row[e] for row in sizes) for e in range(local)]
+    out = run_local_experts(experts, _blocks_in_order(gathered, sizes, True), per_expert)
+    out = DropRows.apply(_blocks_in_order(out, sizes, False), blocks, tp_group)
+    back = all_to_all_uneven(out, recv, send, group)
+    full: Tensor = GatherRows.apply(back, pieces, tp_group)
+    return full
 
 
 class MOELayer(nn.Module):
