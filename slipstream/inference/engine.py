@@ -156,7 +156,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     Raises:
         ConfigError: an unknown key (with a did-you-mean), a bad value, a key given twice
             with different values, or a setting slipstream refuses; with ``tp_size`` > 1, a
-            size that does not divide the heads or the number of processes.
+            size that does not divide the heads or the number of processes; ``ep_size`` > 1
+            together with ``tp_size`` > 1.
 
     With ``tp_size`` > 1 every process of the group calls this with the same model (same
     weights: TP rank 0's are broadcast) and then the same ``generate`` calls; generated
