@@ -156,7 +156,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     Raises:
         ConfigError: an unknown key (with a did-you-mean), a bad value, a key given twice
             with different values, or a setting slipstream refuses; with ``tp_size`` > 1, a
-            size that does not divide the heads or the number of processes.
+            size that does not divide the heads or the number of processes; ``ep_size`` > 1
+            together with ``tp_size`` > 1.
 
     With ``tp_size`` > 1 every process of the group calls this with the same model (same
     weights: TP rank 0's are broadcast) and then the same ``generate`` calls; generated
@@ -167,18 +168,20 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
             f"init_inference: model must be a torch.nn.Module, got {type(model).__name__}"
         )
     cfg = read_inference_config(config, kwargs)
+    ep, tp = cfg.moe_ep_size, cfg.tp_size
+    if ep > 1 and tp > 1:
+        raise ConfigError(
+            f"init_inference: config key 'ep_size' = {ep} with tensor_parallel.tp_size = {tp}: "
+            "expert parallelism combined with tensor parallelism is not supported in "
+            f"inference; use tp_size {tp} with ep_size 1 (attention and dense layers split, "
+            f"every rank holding all experts) or ep_size {ep} with tp_size 1"
+        )
     check_tensor_parallel(model, cfg)
     quant = resolve_quant(cfg.quant, cfg.dtype)
     if cfg.checkpoint is not None:
         load_weights(model, cfg.checkpoint, cfg.base_dir)
     if cfg.torch_dtype is not None:
         model.to(cfg.torch_dtype)
-    if cfg.moe_ep_size > 1 and cfg.tp_size > 1:
-        raise ConfigError(
-            f"init_inference: config key 'ep_size' = {cfg.moe_ep_size} with tp_size "
-            f"{cfg.tp_size}: expert and tensor parallelism together are not supported; set "
-            "one of them to 1"
-        )
     sync = parallelize_for_inference(model, cfg) if cfg.tp_size > 1 else None
     if cfg.moe_ep_size > 1 or moe_layers(model):
         sync = expert_parallel_for_inference(model, cfg.moe_ep_size) or sync

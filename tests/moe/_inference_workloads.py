@@ -55,4 +55,18 @@ def world() -> dict[str, Any]:
     engine = slipstream.init_inference(conv, config={"ep_size": 2, "moe_experts": [4]})
     experts = conv.model.layers[0].mlp.experts
     out["hf"] = (engine.generate(ids, **kw), want, tuple(experts.gate_up_proj.shape))
+    # tp 2 with every expert on both ranks (ep 1): attention and the dense layers split over
+    # the two ranks, each MoE layer replicated on both. Shapes: (q_proj, experts' first weight).
+    gpt = _gpt(1)
+    engine = slipstream.init_inference(gpt, tensor_parallel={"tp_size": 2}, moe={"ep_size": 1})
+    got = engine.generate(out["gpt"][0][:, :5], max_new_tokens=NEW, do_sample=False)
+    layer = gpt.layers[0]
+    shapes = (tuple(layer.attn.q_proj.weight.shape), tuple(layer.mlp.moe.experts.w1.shape))
+    out["gpt_tp"] = (got, out["gpt"][1], shapes)
+    conv = aw.build("mixtral").eval()
+    engine = slipstream.init_inference(conv, tensor_parallel={"tp_size": 2}, moe_experts=[4])
+    layer = conv.model.layers[0]
+    attn, experts = layer.self_attn, layer.mlp.experts
+    shapes = (tuple(attn.q_proj.weight.shape), tuple(experts.gate_up_proj.shape))
+    out["hf_tp"] = (engine.generate(ids, **kw), want, shapes)
     return out
