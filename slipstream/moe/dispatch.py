@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from slipstream.distributed import comm
 from slipstream.moe.gating import Routes
-from slipstream.moe.tp_rows import DropRows, GatherRows, tp_pieces
+from slipstream.moe.tp_rows import DropRows, GatherRows, tp_piece_counts, tp_pieces
 
 __all__ = [
     "MOELayer",
@@ -208,8 +208,7 @@ def exchange_split_experts(
     num = counts.numel()
     local = num // ep_size
     pieces = tp_pieces(counts, tp_size)
-    expert = torch.repeat_interleave(torch.arange(num, device=rows.device), counts)
-    sent = torch.bincount(expert[pieces[tp_rank]], minlength=num).reshape(ep_size, local)
+    sent = tp_piece_counts(counts, tp_size, tp_rank).reshape(ep_size, local)
     got = torch.empty_like(sent)
     comm.all_to_all_single(got, sent.contiguous(), group=group, label="moe_counts")
     every = got.new_empty((tp_size * ep_size * local,))

@@ -34,12 +34,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from slipstream.distributed import comm
 from slipstream.moe.dispatch import exchange_and_run, exchange_split_experts
-from slipstream.moe.tp_rows import DropRows, GatherRows, tp_pieces
+from slipstream.moe.tp_rows import DropRows, GatherRows, tp_piece_counts, tp_pieces
 
 __all__ = ["TPTokenSplit", "exchange_split_experts", "sum_expert_grads_over_tp_", "tp_pieces"]
 
@@ -61,8 +60,7 @@ class TPTokenSplit:
     ) -> Tensor:
         tp_size, tp_rank = comm.get_world_size(self.tp_group), comm.get_rank(self.tp_group)
         pieces = tp_pieces(counts, tp_size)
-        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts)
-        mine = torch.bincount(expert[pieces[tp_rank]], minlength=counts.numel())
+        mine = tp_piece_counts(counts, tp_size, tp_rank)
         piece = DropRows.apply(rows, pieces, self.tp_group)
         out = exchange_and_run(experts, piece, mine, ep_size, group)
         full: Tensor = GatherRows.apply(out, pieces, self.tp_group)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from slipstream.distributed import comm
 
-__all__ = ["DropRows", "GatherRows", "tp_pieces"]
+__all__ = ["DropRows", "GatherRows", "tp_piece_counts", "tp_pieces"]
 
 
 def tp_pieces(counts: Tensor, tp_size: int) -> list[Tensor]:
@@ -33,6 +33,12 @@ def tp_pieces(counts: Tensor, tp_size: int) -> list[Tensor]:
     # The r with c*r//tp <= within < c*(r+1)//tp: ceil((within + 1) * tp / c) - 1.
     owner = ((within + 1) * tp_size + c - 1) // c - 1
     return [torch.nonzero(owner == r).reshape(-1) for r in range(tp_size)]
+
+
+def tp_piece_counts(counts: Tensor, tp_size: int, tp_rank: int) -> Tensor:
+    """Rows per expert in TP rank ``tp_rank``'s piece (:func:`tp_pieces`): of a block of
+    ``c`` rows it takes ``c*(r+1)//tp - c*r//tp``."""
+    return counts * (tp_rank + 1) // tp_size - counts * tp_rank // tp_size
 
 
 def _gather(piece: Tensor, pieces: list[Tensor], group: comm.Group) -> Tensor:

@@ -186,6 +186,19 @@ def test_tp_pieces_split_every_expert_evenly() -> None:
     assert pieces[1].tolist() == [2, 3, 4, 5, 8, 9]
 
 
+def test_tp_piece_counts_are_the_pieces_rows_per_expert() -> None:
+    """The closed form the exchanges use equals counting the rows of each piece by expert."""
+    from slipstream.moe.tp_rows import tp_piece_counts, tp_pieces
+
+    g = torch.Generator().manual_seed(0)
+    for tp in (1, 2, 3, 4):
+        counts = torch.randint(0, 9, (6,), generator=g)
+        expert = torch.repeat_interleave(torch.arange(6), counts)
+        for r, piece in enumerate(tp_pieces(counts, tp)):
+            want = torch.bincount(expert[piece], minlength=6)
+            assert torch.equal(tp_piece_counts(counts, tp, r), want), (tp, r, counts)
+
+
 def test_refusals_name_the_fix(ranks: list[dict[str, Any]]) -> None:
     """An ep_size not dividing the dp x sp ranks, expert TP with experts the TP plan left whole,
     and a dropless layer of ep_size 2 whose experts a TP plan split are refused, naming the
