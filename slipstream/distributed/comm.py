@@ -247,14 +247,26 @@ def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _flag_reduce(flag: bool, op: dist.ReduceOp.RedOpType, group: Group, label: str | None) -> bool:
+def _int_reduce(
+    value: int,
+    op: dist.ReduceOp.RedOpType,
+    group: Group,
+    label: str | None,
+    dtype: torch.dtype,
+) -> int:
+    """``value`` reduced by ``op`` over ``group`` in one ``dtype`` element (``value`` itself
+    without a world or in a group of one)."""
     if not is_initialized() or get_world_size(group) == 1:
-        return flag
-    # The group's backend decides where the byte lives (NCCL reduces only device tensors).
+        return value
+    # The group's backend decides where the element lives (NCCL reduces only device tensors).
     device = "cpu" if _is_gloo(group) else get_accelerator().current_device_name()
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    t = torch.tensor([value], dtype=dtype, device=device)
     all_reduce(t, op=op, group=group, label=label)
-    return bool(t.item())
+    return int(t.item())
+
+
+def _flag_reduce(flag: bool, op: dist.ReduceOp.RedOpType, group: Group, label: str | None) -> bool:
+    return bool(_int_reduce(1 if flag else 0, op, group, label, torch.int32))
 
 
 def all_true(flag: bool, group: Group = None, label: str | None = None) -> bool:
@@ -279,12 +291,7 @@ def max_int(value: int, group: Group = None, label: str | None = None) -> int:
 
     Every rank of the group must call it. Without a world, or in a group of one: ``value``.
     """
-    if not is_initialized() or get_world_size(group) == 1:
-        return value
-    device = "cpu" if _is_gloo(group) else get_accelerator().current_device_name()
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    all_reduce(t, op=ReduceOp.MAX, group=group, label=label)
-    return int(t.item())
+    return _int_reduce(value, ReduceOp.MAX, group, label, torch.int64)
 
 
 _ScratchKey = tuple[int, torch.dtype, torch.device]
